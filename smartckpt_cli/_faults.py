@@ -1,0 +1,48 @@
+"""Named fault points, for crash tests only.
+
+A test child process sets ``SMARTCKPT_TEST_FAULTS=1`` and ``SMARTCKPT_FAULT=<point>[@N]``; the N-th
+time (default 1st) the code passes ``<point>`` the process SIGKILLs itself, exactly as a power cut or
+an OOM kill would stop it there. Both variables are needed, so a stray ``SMARTCKPT_FAULT`` in a
+user's environment does nothing. Points: blob.written, blob.renamed, blobs.durable,
+manifest.written, manifest.renamed, journal.half_line, journal.fsynced, prune.in_progress.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+__all__ = ["crash", "fault_active", "fault_point"]
+
+_lock = threading.Lock()
+_hits: dict[str, int] = {}
+
+
+def _target() -> tuple[str, int] | None:
+    if os.environ.get("SMARTCKPT_TEST_FAULTS") != "1":
+        return None
+    spec = os.environ.get("SMARTCKPT_FAULT", "")
+    if not spec:
+        return None
+    name, _, count = spec.partition("@")
+    return name, int(count or 1)
+
+
+def fault_active(name: str) -> bool:
+    """Count one pass through ``name``; True when this pass is the one to crash at."""
+    target = _target()
+    if target is None or target[0] != name:
+        return False
+    with _lock:
+        _hits[name] = _hits.get(name, 0) + 1
+        return _hits[name] == target[1]
+
+
+def crash() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_point(name: str) -> None:
+    if fault_active(name):
+        crash()

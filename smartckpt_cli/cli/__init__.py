@@ -1,0 +1,1 @@
+"""The command line: thin typer commands over the library; the only place that imports rich."""

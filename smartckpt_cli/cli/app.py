@@ -1,0 +1,133 @@
+"""``smartckpt``: the typer app. Commands are thin; domain errors become one line and an exit code.
+
+Exit codes: 0 success, 1 the operation failed (a corrupt or missing checkpoint), 2 bad input
+(a missing directory, not a checkpoint store, a bad option or setting).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
+from smartckpt_cli.store_dir import open_store
+
+app = typer.Typer(
+    name="smartckpt",
+    help="Adaptive, tiered, verified checkpointing for PyTorch training.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+DirArg = Annotated[Path, typer.Argument(help="Checkpoint store directory.")]
+
+
+@app.command()
+def demo(
+    workdir: Annotated[Path | None, typer.Option(help="Where to put the demo store (default: a temp dir).")] = None,
+    steps: Annotated[int, typer.Option(help="Training steps.")] = 60,
+    kill_at: Annotated[int, typer.Option(help="Step at which the run is killed with SIGKILL.")] = 37,
+) -> None:
+    """Train a small model, SIGKILL it mid-run, resume it, and compare with an uninterrupted run.
+
+    Example: smartckpt demo --kill-at 23
+    """
+    from smartckpt_cli.cli.demo import run_demo
+
+    ok = run_demo(workdir, steps=steps, kill_at=kill_at, say=console.print)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    directory: DirArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List the checkpoints of a store, newest first.
+
+    Example: smartckpt inspect ./checkpoints
+    """
+    store = open_store(directory)
+    state = store.journal.read()
+    rows = sorted(state.records, key=lambda r: r.position, reverse=True)
+    if as_json:
+        out = [
+            {
+                "step": r.step,
+                "id": r.id,
+                "reason": r.reason,
+                "health": r.health,
+                "bytes_new": r.bytes_new,
+                "pruned": r.pruned,
+                "rolled_back": r.rolled_back,
+                "manifest": r.manifest,
+            }
+            for r in rows
+        ]
+        typer.echo(json.dumps({"checkpoints": out, "journal_problems": state.problems}, indent=2))
+        return
+    table = Table(title=f"checkpoints in {directory}")
+    for col in ("step", "id", "reason", "health", "new bytes", "state"):
+        table.add_column(col)
+    for r in rows:
+        st = "pruned" if r.pruned else "rolled back" if r.rolled_back else "live"
+        table.add_row(str(r.step), r.id, r.reason, r.health, f"{r.bytes_new:,}", st)
+    console.print(table)
+    for p in state.problems:
+        err_console.print(f"warning: {p}")
+
+
+@app.command()
+def verify(
+    directory: DirArg,
+    step: Annotated[int | None, typer.Option(help="Verify this step only.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Verify every live checkpoint.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Re-hash and decode checkpoints; exit 1 naming each corrupt one.
+
+    Example: smartckpt verify ./checkpoints --all
+    """
+    from smartckpt_cli.verify import verify_store
+
+    store = open_store(directory)
+    results, problems = verify_store(store, step=step, all_checkpoints=all_)
+    if as_json:
+        typer.echo(json.dumps({"results": [r.__dict__ for r in results], "journal_problems": problems}, indent=2))
+    else:
+        for r in results:
+            console.print(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))
+        for p in problems:
+            console.print(f"journal: {p}")
+        if not results:
+            console.print("no checkpoint to verify")
+    raise typer.Exit(0 if all(r.ok for r in results) and not problems else 1)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
+    try:
+        app()
+    except SmartckptError as err:
+        err_console.print(f"smartckpt: error: {err}", highlight=False, soft_wrap=True)
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except OSError as err:
+        err_console.print(f"smartckpt: error: {err}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_USAGE if isinstance(err, FileNotFoundError | PermissionError) else 1)
+
+
+if __name__ == "__main__":
+    main()

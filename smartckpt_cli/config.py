@@ -1,0 +1,149 @@
+"""One settings dataclass, one precedence rule: defaults < YAML file < ``SMARTCKPT_*`` env < flags.
+
+``load_settings`` also records where each value came from (for ``smartckpt config show``).
+Unknown keys and wrong types are errors naming the key, wherever they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smartckpt_cli.errors import ConfigError
+from smartckpt_cli.tiers import PRECISIONS, TierRule, parse_rules
+
+__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings"]
+
+CONFIG_FILE = "smartckpt.yaml"
+ENV_PREFIX = "SMARTCKPT_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    dir: str = "checkpoints"
+    meta_dir: str | None = None
+    keep_last: int = 3
+    precision: str = "exact"  # exact | bf16 | fp16 (optimizer moments only)
+    compression_level: int = 1  # zstd level; -1 stores raw
+    chunk_mb: int = 16
+    workers: int = 0  # encoder threads; 0 = min(4, CPUs)
+    on_l2_corrupt: str = "fallback"  # fallback | reset
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    max_interval: float = 180.0  # seconds of training that may go unsaved
+    max_interval_steps: int | None = None
+    inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
+    tiers: tuple[TierRule, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError("keep_last must be at least 1")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        if self.on_l2_corrupt not in ("fallback", "reset"):
+            raise ConfigError(f"on_l2_corrupt must be 'fallback' or 'reset', not {self.on_l2_corrupt!r}")
+        if self.inflight not in ("wait", "skip"):
+            raise ConfigError(f"inflight must be 'wait' or 'skip', not {self.inflight!r}")
+        if not -1 <= self.compression_level <= 22:
+            raise ConfigError("compression_level must be between -1 (raw) and 22")
+        if self.chunk_mb < 1:
+            raise ConfigError("chunk_mb must be at least 1")
+        if self.max_interval <= 0:
+            raise ConfigError("max_interval must be positive")
+
+    @property
+    def n_workers(self) -> int:
+        return self.workers or min(4, os.cpu_count() or 1)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(key: str, value: Any, *, from_text: bool) -> Any:
+    if key == "tiers":
+        if from_text:
+            value = yaml.safe_load(value)
+        return parse_rules(value)
+    hint = typing.get_type_hints(Settings)[key]
+    args = typing.get_args(hint)
+    optional = isinstance(hint, types.UnionType) and type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if value is None or (from_text and value.strip().lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{key} cannot be empty")
+    try:
+        if base is bool:
+            if from_text:
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if base is int:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
+                raise TypeError
+            return int(value)
+        if base is float:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int | float)):
+                raise TypeError
+            return float(value)
+        if not isinstance(value, str):
+            raise TypeError
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be {base.__name__}, got {value!r}") from None
+
+
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """Returns (settings, source of each non-default key). A ``config_file`` that is given must
+    exist; otherwise ``./smartckpt.yaml`` is read when present."""
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    path = Path(config_file) if config_file else Path(CONFIG_FILE)
+    if config_file and not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.is_file():
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, OSError) as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must be a mapping of settings")
+        for key, value in data.items():
+            if key not in _FIELDS:
+                raise ConfigError(f"unknown setting '{key}' in {path}")
+            values[key] = _coerce(key, value, from_text=False)
+            sources[key] = str(path)
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name in _IGNORED_ENV:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting '{key}' in environment variable {name}")
+        values[key] = _coerce(key, value, from_text=True)
+        sources[key] = f"env {name}"
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting '{key}'")
+        values[key] = _coerce(key, value, from_text=False) if key != "tiers" else parse_rules(value)
+        sources[key] = "argument"
+    return Settings(**values), sources
+
+
+# Variables smartckpt uses for other purposes (test fault injection, the supervisor's handshake).
+_IGNORED_ENV = {"SMARTCKPT_TEST_FAULTS", "SMARTCKPT_FAULT", "SMARTCKPT_CONFIG"}

@@ -1,0 +1,77 @@
+"""One exception family for everything smartckpt refuses to do.
+
+Domain code raises these; only the CLI turns them into exit codes (``exit_code``), so a user
+sees one line naming the problem instead of a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointCorrupt",
+    "ConfigError",
+    "EXIT_CORRUPT",
+    "EXIT_ERROR",
+    "EXIT_USAGE",
+    "JournalError",
+    "NoCheckpointError",
+    "NotAStoreError",
+    "StateMismatchError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "SmartckptError",
+    "UnsupportedValueError",
+]
+
+EXIT_ERROR = 1  # the operation failed (a corrupt checkpoint, no usable checkpoint, ...)
+EXIT_USAGE = 2  # bad input: a missing directory, a wrong flag, a bad config key
+EXIT_CORRUPT = 1
+
+
+class SmartckptError(Exception):
+    """Base class; ``str(err)`` is the one line shown to the user."""
+
+    exit_code: int = EXIT_ERROR
+
+
+class ConfigError(SmartckptError):
+    exit_code = EXIT_USAGE
+
+
+class StoreNotFoundError(SmartckptError):
+    exit_code = EXIT_USAGE
+
+
+class NotAStoreError(SmartckptError):
+    exit_code = EXIT_USAGE
+
+
+class JournalError(SmartckptError):
+    """The journal cannot be read, or is not a smartckpt journal, or has an unknown version."""
+
+
+class StoreLockedError(SmartckptError):
+    """Another process already writes to this checkpoint store."""
+
+
+class NoCheckpointError(SmartckptError):
+    """No committed checkpoint could be restored."""
+
+
+class CheckpointCorrupt(SmartckptError):
+    """A checkpoint failed verification (missing blob, hash mismatch, undecodable chunk...)."""
+
+    def __init__(self, message: str, *, tier: str | None = None) -> None:
+        super().__init__(message)
+        self.tier = tier
+
+
+class StateMismatchError(SmartckptError):
+    """A checkpoint does not fit the registered objects (shape, dtype, missing keys)."""
+
+    exit_code = EXIT_USAGE
+
+
+class UnsupportedValueError(SmartckptError):
+    """A state value that cannot be stored without pickle."""
+
+    exit_code = EXIT_USAGE

@@ -1,0 +1,133 @@
+"""Pick the newest committed checkpoint that verifies, and load it.
+
+Selection is pure (:func:`candidates`); :func:`load_checkpoint` reads and verifies one checkpoint
+completely into memory (blob hash = its name, decoded bytes = the manifest's raw hash) before
+anything is loaded into the training objects, so a failure never leaves a half-restored model.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from smartckpt_cli import codec
+from smartckpt_cli.errors import CheckpointCorrupt
+from smartckpt_cli.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.storage.base import Storage
+from smartckpt_cli.store import BlobStore
+
+__all__ = ["Loaded", "candidates", "load_checkpoint", "read_manifest"]
+
+logger = logging.getLogger(__name__)
+
+
+def candidates(records: list[CheckpointRecord], *, include_unhealthy: bool = False) -> list[CheckpointRecord]:
+    """Live checkpoints, newest first. Newest means latest in the journal, never by clock."""
+    live = [r for r in records if r.live and (include_unhealthy or r.health == "ok")]
+    return sorted(live, key=lambda r: r.position, reverse=True)
+
+
+@dataclass
+class Loaded:
+    record: CheckpointRecord
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    skipped_tiers: set[str] = field(default_factory=set)
+
+
+def read_manifest(storage: Storage, record: CheckpointRecord, store_id: str | None) -> dict[str, Any]:
+    try:
+        data = storage.read(record.manifest)
+    except FileNotFoundError as err:
+        raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} is missing", tier="L1") from err
+    if codec.blob_id(data) != record.manifest_hash:
+        raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} hash mismatch", tier="L1")
+    try:
+        manifest = decode_manifest(data, record.manifest)
+    except ValueError as err:
+        raise CheckpointCorrupt(f"step {record.step}: {err}", tier="L1") from err
+    if store_id is not None and manifest.get("store_id") != store_id:
+        raise CheckpointCorrupt(f"step {record.step}: manifest belongs to another store", tier="L1")
+    return manifest
+
+
+def _read_stream(blobs: BlobStore, stream: dict[str, Any], out: np.ndarray, itemsize: int, key: str) -> None:
+    pos = 0
+    for bid, cod, raw_len, rh, _enc_len in stream["chunks"]:
+        try:
+            data = blobs.get(bid)
+        except FileNotFoundError as err:
+            raise ValueError(f"missing blob {bid}") from err
+        if codec.blob_id(data) != bid:
+            raise ValueError(f"hash mismatch in blob {bid}")
+        part = out[pos : pos + raw_len]
+        if part.size != raw_len:
+            raise ValueError(f"chunks of {key} overrun its size")
+        try:
+            codec.decode_into(cod, data, part, itemsize)
+        except Exception as err:  # a corrupt zstd frame raises its own error types
+            raise ValueError(f"undecodable chunk {bid}: {err}") from err
+        if codec.raw_hash(part.data) != rh:
+            raise ValueError(f"decoded chunk {bid} does not match its raw hash")
+        pos += raw_len
+    if pos != out.size:
+        raise ValueError(f"chunks of {key} cover {pos} of {out.size} bytes")
+
+
+def _decode_entry(blobs: BlobStore, key: str, entry: dict[str, Any]) -> torch.Tensor:
+    dtype = codec.DTYPES[entry["dtype"]]
+    stored_dtype = codec.DTYPES[entry["stored_dtype"]]
+    shape = list(entry["shape"])
+    stored = torch.empty(shape, dtype=stored_dtype)
+    _read_stream(blobs, entry["data"], codec.byte_view(stored), stored.element_size(), key)
+    idx = val = None
+    if entry.get("patch"):
+        n = int(entry["patch"]["n"])
+        buf = torch.empty(n * 8 + n * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        _read_stream(blobs, entry["patch"], buf.numpy(), 1, key)
+        idx = buf[: n * 8].view(torch.int64)
+        val = buf[n * 8 :].view(dtype)
+    return codec.expand(stored, entry["transform"], dtype, idx, val)
+
+
+def load_checkpoint(
+    storage: Storage,
+    blobs: BlobStore,
+    record: CheckpointRecord,
+    store_id: str | None,
+    *,
+    skip_corrupt_l2: bool = False,
+    workers: int = 4,
+) -> Loaded:
+    """Read and verify every stored entry. Raises CheckpointCorrupt naming the tier and the fault.
+    With ``skip_corrupt_l2``, a corrupt L2 (optimizer moments) drops all of L2 instead of failing."""
+    manifest = read_manifest(storage, record, store_id)
+    entries: dict[str, Any] = manifest["entries"]
+
+    def one(key: str) -> tuple[str, torch.Tensor | None, str | None]:
+        try:
+            return key, _decode_entry(blobs, key, entries[key]), None
+        except (ValueError, KeyError, RuntimeError, OSError) as err:
+            return key, None, str(err)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="smartckpt-dec") as pool:
+        results = list(pool.map(one, list(entries)))
+    tensors: dict[str, torch.Tensor] = {}
+    skipped: set[str] = set()
+    for key, tensor, error in results:
+        if error is None and tensor is not None:
+            tensors[key] = tensor
+            continue
+        tier = entries[key]["tier"]
+        if tier == "L2" and skip_corrupt_l2:
+            skipped.add("L2")
+            continue
+        raise CheckpointCorrupt(f"step {record.step}: {tier} entry {key}: {error}", tier=tier)
+    if "L2" in skipped:
+        tensors = {k: t for k, t in tensors.items() if entries[k]["tier"] != "L2"}
+    return Loaded(record, manifest, tensors, skipped)

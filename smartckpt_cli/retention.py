@@ -1,0 +1,87 @@
+"""What to keep: retention is decided purely from the journal, then carried out.
+
+Order (writer thread, after a commit): ``select_prunable`` → journal ``prune`` line → remove the
+manifests → ``collect_garbage`` removes blobs no remaining manifest references, manifests the
+journal never committed and temporary files of dead writers. The journal line comes first, so a
+crash halfway leaves checkpoints that are already marked gone, never ones that look whole but
+are not. Garbage collection holds ``gc.lock`` exclusively; a save in flight holds it shared, so
+blobs of a checkpoint being written are never taken for garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from smartckpt_cli._faults import fault_point
+from smartckpt_cli.journal import CheckpointRecord, Journal
+from smartckpt_cli.storage.base import Storage
+from smartckpt_cli.storage.local import TMP_MARK, file_lock
+from smartckpt_cli.store import BlobStore
+
+__all__ = ["GC_LOCK", "collect_garbage", "prune", "select_prunable"]
+
+logger = logging.getLogger(__name__)
+
+GC_LOCK = "gc.lock"
+
+
+def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[CheckpointRecord]:
+    """Live checkpoints beyond the newest ``keep_last`` (never the newest one). Rolled-back ones
+    are kept: a rollback can be undone."""
+    live = sorted((r for r in records if r.live and r.health == "ok"), key=lambda r: r.position)
+    keep = max(1, keep_last)
+    unhealthy = [r for r in records if r.live and r.health != "ok"]
+    newest_ok = live[-1].position if live else -1
+    # Unhealthy checkpoints older than the newest healthy one serve no purpose either.
+    return live[:-keep] + [r for r in unhealthy if r.position < newest_ok]
+
+
+def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
+    try:
+        manifest = json.loads(storage.read(rel))
+    except (OSError, ValueError):
+        return set()
+    out: set[str] = set()
+    for entry in manifest.get("entries", {}).values():
+        for stream in (entry.get("data"), entry.get("patch")):
+            for chunk in (stream or {}).get("chunks", []):
+                out.add(chunk[0])
+    return out
+
+
+def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *, why: str) -> None:
+    if not doomed:
+        return
+    journal.append({"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why})
+    fault_point("prune.in_progress")
+    for rec in doomed:
+        storage.remove(rec.manifest)
+
+
+def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_root: Path) -> int:
+    """Remove unreferenced blobs, uncommitted manifests and dead temp files; returns bytes freed."""
+    freed = 0
+    with file_lock(meta_root / GC_LOCK):
+        state = journal.read()
+        kept = [r for r in state.records if not r.pruned]
+        kept_manifests = {r.manifest for r in kept}
+        referenced: set[str] = set()
+        for rec in kept:
+            referenced |= _manifest_blobs(storage, rec.manifest)
+        for name in storage.list("manifests"):
+            rel = f"manifests/{name}"
+            if rel not in kept_manifests:
+                storage.remove(rel)
+        for bid in list(blobs.all_ids()):
+            if bid not in referenced:
+                freed += blobs.size(bid)
+                blobs.remove(bid)
+        for rel in blobs.leftovers():
+            storage.remove(rel)
+    return freed
+
+
+def is_tmp(name: str) -> bool:
+    return TMP_MARK in name

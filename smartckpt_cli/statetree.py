@@ -1,0 +1,114 @@
+"""Turn any ``state_dict()`` into (tagged JSON skeleton, tensors) and back, without pickle.
+
+Tensors are replaced in the skeleton by ``{"__t": key}`` and returned separately, keyed by a
+readable path such as ``optimizer/state/0/exp_avg``; the tier rules match on those paths. Values
+JSON cannot carry faithfully are tagged: tuples, dicts with non-string keys, non-finite floats,
+bytes, dtypes, numpy arrays. Anything else is refused with the path of the offending value, so a
+checkpoint never needs code execution to load.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from smartckpt_cli.errors import UnsupportedValueError
+
+__all__ = ["flatten", "unflatten"]
+
+_TAGS = ("__t", "__np", "__tuple", "__map", "__float", "__bytes", "__dtype", "__device")
+
+
+def _plain_key(k: object) -> bool:
+    return isinstance(k, str) and not k.startswith("__")
+
+
+def flatten(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Returns (skeleton, {key: tensor}); keys are ``prefix/segment/...``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value.detach()
+            return {"__t": path}
+        if isinstance(value, np.ndarray):
+            tensors[path] = torch.from_numpy(np.ascontiguousarray(value))
+            return {"__np": path}
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"__float": repr(value)}
+        if isinstance(value, np.generic):
+            return walk(value.item(), path)
+        if isinstance(value, dict):
+            if all(_plain_key(k) for k in value):
+                return {k: walk(v, f"{path}/{k}") for k, v in value.items()}
+            return {"__map": [[walk(k, f"{path}/#key"), walk(v, f"{path}/{k}")] for k, v in value.items()]}
+        if isinstance(value, tuple):  # torch.Size included
+            return {"__tuple": [walk(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, bytes):
+            return {"__bytes": base64.b64encode(value).decode()}
+        if isinstance(value, torch.dtype):
+            return {"__dtype": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"__device": str(value)}
+        raise UnsupportedValueError(
+            f"cannot store {type(value).__name__} at '{path}' without pickle; "
+            "return plain Python values or tensors from state_dict()"
+        )
+
+    return walk(obj, prefix), tensors
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if len(node) == 1:
+            (tag, val), = node.items()
+            if tag == "__t":
+                return tensors[val]
+            if tag == "__np":
+                return tensors[val].numpy()
+            if tag == "__tuple":
+                return tuple(walk(v) for v in val)
+            if tag == "__map":
+                return {walk(k): walk(v) for k, v in val}
+            if tag == "__float":
+                return float(val)
+            if tag == "__bytes":
+                return base64.b64decode(val)
+            if tag == "__dtype":
+                return getattr(torch, val)
+            if tag == "__device":
+                return torch.device(val)
+        return {k: walk(v) for k, v in node.items()}
+
+    return walk(skeleton)
+
+
+def tensor_keys(skeleton: Any) -> list[str]:
+    """Every tensor key referenced by a skeleton (in order)."""
+    out: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if len(node) == 1 and next(iter(node)) in ("__t", "__np"):
+                out.append(next(iter(node.values())))
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(skeleton)
+    return out
