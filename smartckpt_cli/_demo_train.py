@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from smartckpt_cli import CheckpointManager
 
 
-def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, object, DataLoader[object]]:
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, DataLoader[Any]]:
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(480, 32, generator=g)
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--precision", default="exact")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--step-time", type=float, default=0.0, help="extra seconds per step, as a real model would take"
+    )
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)  # bit-exact CPU reductions run to run
@@ -77,11 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         loss.backward()
         opt.step()
         sched.step()
-        print(f"step {step + 1} loss {loss.item().hex()}", flush=True)
+        if args.step_time:
+            time.sleep(args.step_time)
+        print(f"step {step + 1} loss {float(loss.item()).hex()}", flush=True)
         mgr.step(step + 1, loss=loss)
     failures = mgr.close()
     if args.out:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, args.out)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
+            args.out,
+        )
     return 1 if failures else 0
 
 

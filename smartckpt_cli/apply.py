@@ -29,9 +29,13 @@ def _check_module(name: str, ckpt: dict[str, torch.Tensor], current: dict[str, t
     missing = sorted(set(current) - set(ckpt))
     extra = sorted(set(ckpt) - set(current))
     if missing:
-        raise StateMismatchError(f"checkpoint has no entry for {missing[0]} ({len(missing)} missing in '{name}')")
+        raise StateMismatchError(
+            f"checkpoint has no entry for {missing[0]} ({len(missing)} missing in '{name}')"
+        )
     if extra:
-        raise StateMismatchError(f"checkpoint entry {extra[0]} does not exist in '{name}' ({len(extra)} unexpected)")
+        raise StateMismatchError(
+            f"checkpoint entry {extra[0]} does not exist in '{name}' ({len(extra)} unexpected)"
+        )
     for key, t in ckpt.items():
         if t.shape != current[key].shape:
             raise StateMismatchError(
@@ -71,7 +75,9 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
     plan: list[tuple[Any, Any]] = []
     for name, (kind, obj) in objects.items():
         if name not in saved:
-            logger.warning("'%s' is not in the checkpoint of step %d; left as it is", name, loaded.record.step)
+            logger.warning(
+                "'%s' is not in the checkpoint of step %d; left as it is", name, loaded.record.step
+            )
             continue
         skeleton = saved[name]["tree"]
         _, current = flatten(obj.state_dict(), name)

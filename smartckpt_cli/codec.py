@@ -76,12 +76,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def blob_id(data: bytes | memoryview) -> str:
+def blob_id(data: bytes | bytearray | memoryview) -> str:
     """A blob's name: xxh3-128 of its encoded bytes, so verifying a blob is re-hashing it."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def raw_hash(data: bytes | memoryview) -> str:
+def raw_hash(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
@@ -91,7 +91,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(arr).cast("B")
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:
@@ -183,7 +184,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 def _decompressor() -> zstandard.ZstdDecompressor:
     if not hasattr(_local, "d"):
         _local.d = zstandard.ZstdDecompressor()
-    return _local.d  # type: ignore[no-any-return]
+    dctx: zstandard.ZstdDecompressor = _local.d
+    return dctx
 
 
 def shuffle(raw: memoryview, itemsize: int) -> bytes:

@@ -84,9 +84,10 @@ def _tracked_class(cls: type) -> type:
     methods are looked up on the type, so the instance's class is swapped, not patched)."""
     if cls not in _tracked_classes:
 
-        def __iter__(self: Any) -> Any:  # noqa: N807
+        def __iter__(self: Any) -> Any:
             tracker: LoaderState = self._smartckpt_tracker
-            return tracker._start_epoch(lambda: cls.__iter__(self))
+            base_iter: Any = cls.__iter__  # type: ignore[attr-defined]
+            return tracker._start_epoch(lambda: base_iter(self))
 
         def _index_sampler(self: Any) -> Any:
             inner = cls._index_sampler.fget(self)  # type: ignore[attr-defined]
@@ -117,7 +118,7 @@ class LoaderState:
                 "DataLoader shuffles without a seeded generator: the data order after a resume will "
                 "differ; pass generator=torch.Generator().manual_seed(SEED) to DataLoader"
             )
-        loader._smartckpt_tracker = self  # type: ignore[attr-defined]
+        loader._smartckpt_tracker = self
         loader.__class__ = _tracked_class(type(loader))
 
     def _take_skip(self) -> int:

@@ -7,18 +7,18 @@ sees one line naming the problem instead of a traceback.
 from __future__ import annotations
 
 __all__ = [
-    "CheckpointCorrupt",
-    "ConfigError",
     "EXIT_CORRUPT",
     "EXIT_ERROR",
     "EXIT_USAGE",
+    "CheckpointCorrupt",
+    "ConfigError",
     "JournalError",
     "NoCheckpointError",
     "NotAStoreError",
+    "SmartckptError",
     "StateMismatchError",
     "StoreLockedError",
     "StoreNotFoundError",
-    "SmartckptError",
     "UnsupportedValueError",
 ]
 

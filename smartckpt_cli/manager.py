@@ -44,8 +44,8 @@ from smartckpt_cli.restore import candidates, load_checkpoint
 from smartckpt_cli.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.rng import RNGState
 from smartckpt_cli.snapshot import Stager, take_snapshot
-from smartckpt_cli.store_dir import StoreDir, open_store
 from smartckpt_cli.storage.local import file_lock
+from smartckpt_cli.store_dir import StoreDir, open_store
 from smartckpt_cli.trigger import IntervalPolicy, Policy, TriggerContext
 from smartckpt_cli.writer import CommitInfo, Persister, base_meta
 
@@ -156,8 +156,10 @@ class CheckpointManager:
         self._meta = base_meta()
         self._stats = _Stats()
         self._stats_lock = threading.Lock()
-        self._last_save_step: int | None = None
-        self._last_save_time = time.monotonic()
+        # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
+        # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
+        self._committed: tuple[int | None, float] = (None, time.monotonic())
+        self._scheduled = self._committed
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
@@ -218,7 +220,9 @@ class CheckpointManager:
                     workers=self.settings.n_workers,
                 )
             except CheckpointCorrupt as err:
-                logger.warning("checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err)
+                logger.warning(
+                    "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
+                )
                 tried.append(str(err))
                 continue
             if "L2" in loaded.skipped_tiers:
@@ -230,8 +234,7 @@ class CheckpointManager:
             apply_checkpoint(loaded, self._objects)
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest
-            self._last_save_step = rec.step
-            self._last_save_time = time.monotonic()
+            self._committed = self._scheduled = (rec.step, time.monotonic())
             logger.info("restored step %d from %s", rec.step, rec.manifest)
             return rec.step
         if tried:
@@ -247,7 +250,7 @@ class CheckpointManager:
         loss_value = None
         if loss is not None:
             loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        ctx = TriggerContext(step, time.monotonic(), self._last_save_step, self._last_save_time, loss_value)
+        ctx = TriggerContext(step, time.monotonic(), *self._scheduled, loss_value)
         decision = self.policy.should_save(ctx)
         result = StepResult()
         if decision.save:
@@ -290,6 +293,8 @@ class CheckpointManager:
         )
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap_time = time.monotonic()
+        if healthy:
+            self._scheduled = (step, snap_time)
         future = self._saver.submit(self._persist, snap, snap_time)
         handle = SaveHandle(step, future)
         handle.blocking_seconds = time.perf_counter() - t0
@@ -305,6 +310,7 @@ class CheckpointManager:
             logger.error("%s (training continues; the next trigger tries again)", msg)
             with self._stats_lock:
                 self._stats.failures.append(msg)
+                self._scheduled = self._committed
             try:
                 self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
             except OSError:
@@ -313,8 +319,8 @@ class CheckpointManager:
         self.last_commit = info
         with self._stats_lock:
             self._stats.commits += 1
-        if snap.health == "ok":
-            self._last_save_step, self._last_save_time = snap.step, snap_time
+            if snap.health == "ok":
+                self._committed = (snap.step, snap_time)
         try:
             self._retain()
         except (OSError, SmartckptError) as err:
@@ -361,7 +367,9 @@ class CheckpointManager:
                 self._lock_fd = None
         failures = self.failures
         if failures:
-            logger.error("%d background save(s) failed during this run; last: %s", len(failures), failures[-1])
+            logger.error(
+                "%d background save(s) failed during this run; last: %s", len(failures), failures[-1]
+            )
         return failures
 
     def __enter__(self) -> CheckpointManager:

@@ -14,7 +14,9 @@ __all__ = ["adapt", "register_kind"]
 _KINDS: list[tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = []
 
 
-def register_kind(predicate: Callable[[Any], bool], kind: str, wrap: Callable[[Any], Any] = lambda o: o) -> None:
+def register_kind(
+    predicate: Callable[[Any], bool], kind: str, wrap: Callable[[Any], Any] = lambda o: o
+) -> None:
     _KINDS.append((predicate, kind, wrap))
 
 

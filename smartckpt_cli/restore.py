@@ -44,7 +44,9 @@ def read_manifest(storage: Storage, record: CheckpointRecord, store_id: str | No
     try:
         data = storage.read(record.manifest)
     except FileNotFoundError as err:
-        raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} is missing", tier="L1") from err
+        raise CheckpointCorrupt(
+            f"step {record.step}: manifest {record.manifest} is missing", tier="L1"
+        ) from err
     if codec.blob_id(data) != record.manifest_hash:
         raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} hash mismatch", tier="L1")
     try:

@@ -54,7 +54,9 @@ def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
 def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *, why: str) -> None:
     if not doomed:
         return
-    journal.append({"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why})
+    journal.append(
+        {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why}
+    )
     fault_point("prune.in_progress")
     for rec in doomed:
         storage.remove(rec.manifest)

@@ -73,7 +73,7 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
         if not isinstance(node, dict):
             return node
         if len(node) == 1:
-            (tag, val), = node.items()
+            ((tag, val),) = node.items()
             if tag == "__t":
                 return tensors[val]
             if tag == "__np":

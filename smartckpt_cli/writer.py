@@ -89,18 +89,24 @@ class Persister:
                 for bid, cod, raw_len, rh, enc_len in (stream or {}).get("chunks", []):
                     self.known[(rh, raw_len)] = (bid, cod, enc_len)
 
-    def _streams(self, item_tensor: torch.Tensor, transform: str) -> tuple[codec.Reduced, list[_Chunk], list[_Chunk]]:
+    def _streams(
+        self, item_tensor: torch.Tensor, transform: str
+    ) -> tuple[codec.Reduced, list[_Chunk], list[_Chunk]]:
         red = codec.reduce(item_tensor, transform)
         data = self._split(codec.tensor_bytes(red.stored), red.stored.element_size())
         patch: list[_Chunk] = []
         if red.patch_index is not None and red.patch_value is not None:
-            raw = codec.tensor_bytes(red.patch_index).tobytes() + codec.tensor_bytes(red.patch_value).tobytes()
+            raw = (
+                codec.tensor_bytes(red.patch_index).tobytes() + codec.tensor_bytes(red.patch_value).tobytes()
+            )
             patch = self._split(memoryview(raw), 1)
         return red, data, patch
 
     def _split(self, view: memoryview, itemsize: int) -> list[_Chunk]:
         step = max(itemsize, self.chunk_bytes - self.chunk_bytes % itemsize)
-        return [_Chunk(view[i : i + step], itemsize) for i in range(0, len(view), step)] or [_Chunk(view, itemsize)]
+        return [_Chunk(view[i : i + step], itemsize) for i in range(0, len(view), step)] or [
+            _Chunk(view, itemsize)
+        ]
 
     def _put(self, chunk: _Chunk) -> tuple[list[Any], int]:
         """Returns ([blob id, codec, raw len, raw hash, encoded len], bytes newly written)."""
@@ -165,8 +171,8 @@ class Persister:
             "entries": entries,
             "not_stored": snap.dropped,
         }
-        data = encode_manifest(manifest)
-        self.storage.write(rel, data)
+        manifest_bytes = encode_manifest(manifest)
+        self.storage.write(rel, manifest_bytes)
         # IMPORTANT: the journal line below is the commit point. It is appended only after every
         # blob and the manifest are durable; before it, this checkpoint does not exist.
         self.journal.append(
@@ -175,7 +181,7 @@ class Persister:
                 "step": snap.step,
                 "id": cid,
                 "manifest": rel,
-                "manifest_hash": codec.blob_id(data),
+                "manifest_hash": codec.blob_id(manifest_bytes),
                 "health": snap.health,
                 "reason": snap.reason,
                 "score": snap.score,

@@ -35,7 +35,9 @@ DirArg = Annotated[Path, typer.Argument(help="Checkpoint store directory.")]
 
 @app.command()
 def demo(
-    workdir: Annotated[Path | None, typer.Option(help="Where to put the demo store (default: a temp dir).")] = None,
+    workdir: Annotated[
+        Path | None, typer.Option(help="Where to put the demo store (default: a temp dir).")
+    ] = None,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 60,
     kill_at: Annotated[int, typer.Option(help="Step at which the run is killed with SIGKILL.")] = 37,
 ) -> None:
@@ -45,7 +47,9 @@ def demo(
     """
     from smartckpt_cli.cli.demo import run_demo
 
-    ok = run_demo(workdir, steps=steps, kill_at=kill_at, say=console.print)
+    ok = run_demo(
+        workdir, steps=steps, kill_at=kill_at, say=lambda m: console.print(m, soft_wrap=True, highlight=False)
+    )
     raise typer.Exit(0 if ok else 1)
 
 
@@ -104,7 +108,9 @@ def verify(
     store = open_store(directory)
     results, problems = verify_store(store, step=step, all_checkpoints=all_)
     if as_json:
-        typer.echo(json.dumps({"results": [r.__dict__ for r in results], "journal_problems": problems}, indent=2))
+        typer.echo(
+            json.dumps({"results": [r.__dict__ for r in results], "journal_problems": problems}, indent=2)
+        )
     else:
         for r in results:
             console.print(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))

@@ -27,12 +27,16 @@ def _child(store: Path, steps: int, out: Path) -> list[str]:
         "10",
         "--out",
         str(out),
+        "--step-time",
+        "0.05",
     ]
 
 
 def run_until(cmd: list[str], kill_at: int | None) -> tuple[list[str], int]:
     """Run a training child; SIGKILL it once it reports step ``kill_at``. Returns (stdout lines, rc)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -68,6 +72,8 @@ def run_demo(workdir: Path | None, *, steps: int, kill_at: int, say: Callable[[s
         for i in b["optimizer"]["state"]
         for k in b["optimizer"]["state"][i]
     )
-    say(f"   final weights identical: {'yes' if same_w else 'NO'}; optimizer state identical: {'yes' if same_o else 'NO'}")
+    say(
+        f"   final weights identical: {'yes' if same_w else 'NO'}; optimizer state identical: {'yes' if same_o else 'NO'}"
+    )
     say(f"   inspect the store: smartckpt inspect {store}")
     return same_w and same_o

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import pytest
+
+from smartckpt_cli.errors import JournalError
+from smartckpt_cli.journal import Journal, decode_line, encode_line, fold
+from smartckpt_cli.storage import LocalStorage
+
+
+def _journal(tmp_path) -> Journal:
+    j = Journal(LocalStorage(tmp_path), tmp_path)
+    j.create()
+    return j
+
+
+def _commit(j: Journal, step: int, cid: str | None = None) -> None:
+    j.append(
+        {
+            "event": "commit",
+            "step": step,
+            "id": cid or f"c{step}",
+            "manifest": f"m{step}",
+            "manifest_hash": "h",
+        }
+    )
+
+
+def test_line_checksum_detects_any_change():
+    line = encode_line({"event": "commit", "step": 5})
+    assert decode_line(line.strip()) == {"event": "commit", "step": 5}
+    assert decode_line(line.replace(b'"step":5', b'"step":6')) is None
+    assert decode_line(b"not json") is None
+
+
+def test_torn_last_line_is_skipped_and_next_append_starts_fresh(tmp_path, caplog):
+    j = _journal(tmp_path)
+    _commit(j, 10)
+    half = encode_line({"event": "commit", "step": 20, "id": "x", "manifest": "m", "manifest_hash": "h"})
+    with open(j.path, "ab") as f:
+        f.write(half[: len(half) // 2])
+    state = j.read()
+    assert [r.step for r in state.records] == [10]
+    assert any("torn last line" in p for p in state.problems)
+    assert "torn last line" in caplog.text
+    _commit(j, 30)
+    state = j.read()
+    assert [r.step for r in state.records] == [10, 30]
+    assert any("corrupt line" in p for p in state.problems)
+
+
+def test_fold_rollback_undo_and_prune():
+    evs = [{"event": "init", "store_id": "s"}]
+    evs += [
+        {"event": "commit", "step": s, "id": f"c{s}", "manifest": "m", "manifest_hash": "h"}
+        for s in (1, 2, 3)
+    ]
+    evs.append({"event": "rollback", "to_step": 1})
+    evs.append({"event": "commit", "step": 2, "id": "c2b", "manifest": "m", "manifest_hash": "h"})
+    _, recs, _ = fold(evs)
+    assert [(r.id, r.rolled_back) for r in recs] == [
+        ("c1", False),
+        ("c2", True),
+        ("c3", True),
+        ("c2b", False),
+    ]
+    _, recs, _ = fold([*evs, {"event": "rollback", "undo": True}])
+    assert not any(r.rolled_back for r in recs)
+    _, recs, _ = fold([*evs, {"event": "prune", "ids": ["c1"]}])
+    assert recs[0].pruned and not recs[0].live
+
+
+def test_unknown_version_and_foreign_files_are_refused(tmp_path):
+    (tmp_path / "journal.jsonl").write_bytes(
+        encode_line({"event": "init", "format": "smartckpt-journal", "v": 99})
+    )
+    with pytest.raises(JournalError, match="version 99"):
+        Journal(LocalStorage(tmp_path), tmp_path).read()
+    (tmp_path / "journal.jsonl").write_bytes(b"\x00\x01garbage\n")
+    with pytest.raises(JournalError, match="not a smartckpt journal"):
+        Journal(LocalStorage(tmp_path), tmp_path).read()
