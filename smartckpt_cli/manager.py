@@ -60,11 +60,19 @@ class SaveHandle:
     """A save in progress. ``wait()`` returns its :class:`CommitInfo` (None when it failed or
     was skipped); ``error`` holds the failure."""
 
-    def __init__(self, step: int, future: Future[CommitInfo] | None, *, skipped: bool = False) -> None:
+    def __init__(self, step: int, future: Future[CommitInfo] | None, snapshot: Any = None) -> None:
         self.step = step
         self._future = future
-        self.skipped = skipped
-        self.blocking_seconds = 0.0
+        self._snapshot = snapshot
+        self.blocking_seconds = 0.0  # time save() itself blocked the caller (the eager copies)
+        self.lazy = bool(snapshot is not None and snapshot.lazy)
+
+    @property
+    def loop_wait_seconds(self) -> float:
+        """What the training loop waited for this checkpoint: the eager part of the snapshot plus
+        what the optimizer pre-hook waited for the lazy copies."""
+        guard = self._snapshot.guard_seconds if self._snapshot is not None else 0.0
+        return self.blocking_seconds + guard
 
     def done(self) -> bool:
         return self._future is None or self._future.done()
@@ -136,11 +144,22 @@ class CheckpointManager:
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
         self._lock_fd: int | None = None
         self._acquire_writer_lock()
-        self.store_id = self.store.ensure_journal()
+        try:
+            self.store_id = self.store.ensure_journal()
+        except BaseException:
+            # An unreadable journal must not leave this process holding the writer lock: a
+            # retry would then be refused as "already being written by" this very process.
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            raise
         self.policy: Policy = policy or IntervalPolicy(
             s.every_steps, s.every_seconds, s.max_interval, s.max_interval_steps
         )
         self._objects: dict[str, tuple[str, Any]] = {"rng": ("rng", RNGState())}
+        self._optimizers: list[Any] = []
+        self._hooks: list[Any] = []
+        self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
         self._stager = Stager()
         self._persister = Persister(
             self.store.storage,
@@ -159,7 +178,7 @@ class CheckpointManager:
         # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
         # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
         self._committed: tuple[int | None, float] = (None, time.monotonic())
-        self._scheduled = self._committed
+        self._scheduled: tuple[int | None, float] = self._committed
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
@@ -190,7 +209,19 @@ class CheckpointManager:
         for name, obj in objects.items():
             if name == "rng" or "/" in name:
                 raise ValueError(f"'{name}' cannot be used as a name ('rng' is reserved, no '/')")
-            self._objects[name] = adapt(obj)
+            kind, adapted = adapt(obj)
+            self._objects[name] = (kind, adapted)
+            if kind == "optimizer" and all(o is not obj for o in self._optimizers):
+                self._optimizers.append(obj)
+                # The lazy snapshot's guard: parameters and moments may only change once copied.
+                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        snap = self._lazy_snapshot
+        if snap is not None:
+            snap.guard()
+            if snap.copied.is_set():
+                self._lazy_snapshot = None
 
     def registered(self, name: str) -> Any:
         """The object registered under ``name`` as smartckpt sees it (a DataLoader comes back as
@@ -260,7 +291,9 @@ class CheckpointManager:
                 logger.info("step %d: save skipped, the previous one is still being written", step)
             else:
                 healthy = loss_value is None or math.isfinite(loss_value)
-                result.handle = self._save(step, decision.reason, decision.score, healthy=healthy)
+                result.handle = self._save(
+                    step, decision.reason, decision.score, healthy=healthy, lazy=bool(self._optimizers)
+                )
                 result.saved = True
                 result.reason = decision.reason
         with self._stats_lock:
@@ -269,14 +302,15 @@ class CheckpointManager:
         return result
 
     def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
-        """Save now. Blocks for the snapshot copy (and for a save still in flight); with
-        ``blocking=True`` also until the checkpoint is committed."""
-        handle = self._save(step, reason, None, healthy=True)
+        """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
+        flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
+        also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
+        handle = self._save(step, reason, None, healthy=True, lazy=False)
         if blocking:
             handle.wait()
         return handle
 
-    def _save(self, step: int, reason: str, score: float | None, *, healthy: bool) -> SaveHandle:
+    def _save(self, step: int, reason: str, score: float | None, *, healthy: bool, lazy: bool) -> SaveHandle:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
@@ -290,16 +324,27 @@ class CheckpointManager:
             precision=self.settings.precision,
             rules=self.settings.tiers,
             meta=self._meta,
+            lazy_params=self._guarded_params() if lazy else None,
         )
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap_time = time.monotonic()
         if healthy:
             self._scheduled = (step, snap_time)
+        if snap.lazy:
+            self._lazy_snapshot = snap
         future = self._saver.submit(self._persist, snap, snap_time)
-        handle = SaveHandle(step, future)
+        handle = SaveHandle(step, future, snap)
         handle.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
         return handle
+
+    def _guarded_params(self) -> set[int]:
+        return {
+            p.untyped_storage().data_ptr()
+            for opt in self._optimizers
+            for g in opt.param_groups
+            for p in g["params"]
+        }
 
     def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
         try:
@@ -362,6 +407,9 @@ class CheckpointManager:
             self._closed = True
             self._saver.shutdown(wait=True)
             self._persister.close()
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None

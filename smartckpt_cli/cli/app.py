@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
@@ -81,7 +82,7 @@ def inspect_cmd(
         ]
         typer.echo(json.dumps({"checkpoints": out, "journal_problems": state.problems}, indent=2))
         return
-    table = Table(title=f"checkpoints in {directory}")
+    table = Table(title=f"checkpoints in {escape(str(directory))}")
     for col in ("step", "id", "reason", "health", "new bytes", "state"):
         table.add_column(col)
     for r in rows:
@@ -89,7 +90,7 @@ def inspect_cmd(
         table.add_row(str(r.step), r.id, r.reason, r.health, f"{r.bytes_new:,}", st)
     console.print(table)
     for p in state.problems:
-        err_console.print(f"warning: {p}")
+        err_console.print(f"warning: {p}", markup=False)
 
 
 @app.command()
@@ -115,7 +116,7 @@ def verify(
         for r in results:
             console.print(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))
         for p in problems:
-            console.print(f"journal: {p}")
+            console.print(f"journal: {p}", markup=False)
         if not results:
             console.print("no checkpoint to verify")
     raise typer.Exit(0 if all(r.ok for r in results) and not problems else 1)
@@ -126,12 +127,12 @@ def main() -> None:
     try:
         app()
     except SmartckptError as err:
-        err_console.print(f"smartckpt: error: {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"smartckpt: error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
     except OSError as err:
-        err_console.print(f"smartckpt: error: {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"smartckpt: error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(EXIT_USAGE if isinstance(err, FileNotFoundError | PermissionError) else 1)
 
 
