@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import os
 import re
@@ -64,17 +65,18 @@ def load_tokenizer() -> Any:
 
 # ---------------------------------------------------------------- a real-text corpus
 
-_MODULES = (
-    "abc argparse ast asyncio base64 bisect bz2 calendar cmd codecs collections colorsys "
-    "configparser contextlib copy csv dataclasses datetime decimal difflib dis email enum "
-    "filecmp fnmatch fractions ftplib functools getopt gettext glob gzip hashlib heapq hmac "
-    "html.parser http.client imaplib importlib inspect io ipaddress itertools json locale "
-    "logging lzma mailbox math mimetypes numbers operator optparse os pathlib pdb pickle pkgutil "
-    "platform poplib pprint pstats queue random re runpy sched secrets selectors shlex shutil "
-    "signal smtplib socket sqlite3 ssl stat statistics string struct subprocess sysconfig "
-    "tarfile tempfile textwrap threading timeit tokenize trace traceback types typing unittest "
-    "urllib.parse uuid warnings wave weakref xml.dom.minidom zipfile zipapp"
-).split()
+_MODULE_NAMES = """
+abc argparse ast asyncio base64 bisect bz2 calendar cmd codecs collections colorsys configparser
+contextlib copy csv dataclasses datetime decimal difflib dis email enum filecmp fnmatch
+fractions ftplib functools getopt gettext glob gzip hashlib heapq hmac html.parser http.client
+imaplib importlib inspect io ipaddress itertools json locale logging lzma mailbox math mimetypes
+numbers operator optparse os pathlib pdb pickle pkgutil platform poplib pprint pstats queue
+random re runpy sched secrets selectors shlex shutil signal smtplib socket sqlite3 ssl stat
+statistics string struct subprocess sysconfig tarfile tempfile textwrap threading timeit
+tokenize trace traceback types typing unittest urllib.parse uuid warnings wave weakref
+xml.dom.minidom zipfile zipapp
+"""
+_MODULES = _MODULE_NAMES.split()
 
 
 def _sentence_ok(sent: str) -> bool:
@@ -108,7 +110,7 @@ def corpus_pairs() -> list[tuple[str, str]]:
     pairs: dict[str, str] = {}
     for doc in sorted(docs):
         sents = re.split(r"(?<=[.!?])\s+", " ".join(doc.split()))
-        for a, b in zip(sents, sents[1:]):
+        for a, b in itertools.pairwise(sents):
             if _sentence_ok(a) and _sentence_ok(b):
                 pairs.setdefault(a, b)
     return sorted(pairs.items())
@@ -219,9 +221,7 @@ def embedding_keys(model: torch.nn.Module, opt: torch.optim.Optimizer) -> frozen
     return frozenset(out)
 
 
-def breakdown(
-    manifest: dict[str, Any], embedding: frozenset[str] = frozenset()
-) -> dict[str, dict[str, int]]:
+def breakdown(manifest: dict[str, Any], embedding: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """Per category (see :func:`category`): raw bytes before any precision reduction, and bytes
     the checkpoint references (encoded data + patch chunks)."""
     from smartckpt_cli.codec import DTYPES
@@ -258,8 +258,7 @@ def table(headers: list[str], rows: list[list[Any]], title: str | None = None) -
     for n, r in enumerate(cells):
         lines.append(
             "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
         if n == 0:

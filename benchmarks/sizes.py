@@ -36,6 +36,12 @@ from torch import nn
 from smartckpt_cli import CheckpointManager
 
 TARGETS = {"exact": 0.90, "bf16": 0.60}
+_ORDER = {
+    c: i
+    for i, c in enumerate(
+        f"{base}{emb}" for base in ("weights", "exp_avg", "exp_avg_sq") for emb in ("", " [emb]")
+    )
+}
 DEDUP_TARGET = 1.05
 
 
@@ -53,6 +59,8 @@ class TinyLM(nn.Module):
             for _ in range(layers)
         )
         self.norm = nn.LayerNorm(d)
+        for emb in (self.tok, self.pos):  # GPT-2 init; N(0, 1) would give logits in the hundreds
+            nn.init.normal_(emb.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
@@ -71,7 +79,7 @@ def lm_step(model: TinyLM, opt: torch.optim.Optimizer, args: argparse.Namespace,
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
 
 def save_one(
@@ -120,9 +128,7 @@ def compare(
     res: dict[str, Any] = {
         "params": sum(p.numel() for p in model.parameters()),
         "torch_save_bytes": torch_bytes,
-        "raw_state_bytes": C.state_raw_bytes(
-            {"m": model.state_dict(), "o": opt.state_dict()["state"]}
-        ),
+        "raw_state_bytes": C.state_raw_bytes({"m": model.state_dict(), "o": opt.state_dict()["state"]}),
         "precisions": {},
         "zero_fraction": zero_fractions(opt),
     }
@@ -246,7 +252,7 @@ def minilm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        print(f"  step {s + 1}: loss {float(loss):.4f}")
+        print(f"  step {s + 1}: loss {loss.item():.4f}")
     out = compare("minilm", model, opt, args.minilm_steps, work)
     del model, opt
     gc.collect()
@@ -292,7 +298,7 @@ def report(results: dict[str, Any]) -> None:
         if label not in results:
             continue
         for prec, p in results[label]["precisions"].items():
-            for cat, b in sorted(p["breakdown"].items()):
+            for cat, b in sorted(p["breakdown"].items(), key=lambda kv: _ORDER.get(kv[0], 9)):
                 rows.append(
                     [
                         label,

@@ -7,8 +7,9 @@ itself the N-th time it passes a named fault point in the library. Before every 
 ``torch.save``s its exact state to a side file, so the test can compare bit for bit what a
 restore loads with what the child had at that step.
 
-All children are started at once by a module fixture (two cores: importing torch dominates), then
-each test examines its own store in this process.
+A module fixture runs every scenario once (a forking "zygote" process, so torch is imported once);
+each test then examines its own store in this process: restore, bit-exact comparison, then one
+more save whose retention must collect the dead save's garbage.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ ZYGOTE = textwrap.dedent(
 
     base, cases = sys.argv[1], json.loads(sys.argv[2])
     results = {"probe": run(os.path.join(base, "probe"), None, 10)}
+    if results["probe"] != 0:
+        with open(os.path.join(base, "probe", "stderr")) as f:
+            sys.exit("probe run failed:\n" + f.read())
     # The probe keeps every blob: how many new blobs does each save write?
     with open(os.path.join(base, "probe", "stdout")) as f:
         counts = {int(s): int(n) for _, s, n in (line.split() for line in f)}
