@@ -28,7 +28,7 @@ def test_chunk_roundtrip_is_exact(dtype):
 def test_shuffled_floats_compress_and_tiny_or_random_bytes_stay_raw():
     weights = torch.randn(100_000) * 0.02
     name, _ = _roundtrip_chunk(weights)
-    assert name == "shuf-zstd"
+    assert name == "planes"
     enc_len = len(codec.encode_chunk(codec.tensor_bytes(weights), 4, 1)[1])
     assert enc_len < weights.numel() * 4 * 0.95
     assert _roundtrip_chunk(torch.randn(10))[0] == "raw"  # below the tiny threshold
@@ -36,13 +36,14 @@ def test_shuffled_floats_compress_and_tiny_or_random_bytes_stay_raw():
     assert _roundtrip_chunk(noise)[0] == "raw"  # incompressible: no zstd frame to decode later
 
 
-def test_unshuffle_inverts_shuffle():
-    raw = np.arange(4 * 1000, dtype=np.uint8)
-    planes = codec.shuffle(memoryview(raw), 4)
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_join_planes_inverts_split_planes(itemsize):
+    raw = np.random.default_rng(0).integers(0, 256, 8 * 1000, dtype=np.uint8)
+    planes = codec.split_planes(memoryview(raw), itemsize)
+    assert planes[0].dtype == np.uint8 and planes[0][0] == raw[itemsize - 1]  # little-endian top byte first
     out = np.empty_like(raw)
-    codec.unshuffle_into(planes, 4, out)
+    codec.join_planes(planes, itemsize, out)
     assert np.array_equal(out, raw)
-    assert planes[:4] == bytes([0, 4, 8, 12])
 
 
 def _moments_with_extremes() -> torch.Tensor:

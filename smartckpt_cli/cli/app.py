@@ -122,6 +122,41 @@ def verify(
     raise typer.Exit(0 if all(r.ok for r in results) and not problems else 1)
 
 
+@app.command()
+def bench(
+    params: Annotated[float, typer.Option(help="Model size in parameters (e.g. 1e8, 2.5e7).")] = 1e8,
+    reps: Annotated[int, typer.Option(min=1, help="Repetitions; each figure is their median.")] = 3,
+    precision: Annotated[str, typer.Option(help="exact, bf16 or fp16 for smartckpt's moments.")] = "exact",
+    level: Annotated[int, typer.Option(help="zstd level for smartckpt (-1: raw).")] = 1,
+    workers: Annotated[int, typer.Option(help="Encoder threads (0: min(4, CPUs)).")] = 0,
+    workdir: Annotated[Path | None, typer.Option(help="Where to write (default: the temp dir).")] = None,
+    as_json: Annotated[
+        Path | None, typer.Option("--json", help="Also write the results to this file.")
+    ] = None,
+) -> None:
+    """Measure smartckpt against torch.save, torch.distributed.checkpoint and the machine's bounds.
+
+    Example: smartckpt bench --params 2.5e7 --reps 3 --json bench.json
+    """
+    from smartckpt_cli.bench import run_bench
+    from smartckpt_cli.cli.bench_view import render
+
+    with console.status("benchmarking") as status:
+        result = run_bench(
+            int(params),
+            reps=reps,
+            workdir=workdir,
+            precision=precision,
+            compression_level=level,
+            workers=workers,
+            progress=lambda m: status.update(m),
+        )
+    render(result, console)
+    if as_json is not None:
+        as_json.write_text(json.dumps(result.to_json(), indent=2))
+        console.print(f"results written to {as_json}")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
     try:

@@ -1,0 +1,249 @@
+"""``smartckpt bench``: smartckpt against the tools users would otherwise pick, in one run.
+
+Every figure is the median of ``reps`` repetitions, and the methods are interleaved within each
+repetition (A B C A B C ...) so that a noisy neighbour hurts all of them alike. Anchors:
+
+* ``torch.save`` + fsync (the traditional baseline) and ``torch.load`` + ``load_state_dict``;
+* ``torch.distributed.checkpoint.save`` and ``async_save`` (blocking time and total time);
+* the machine's lower bounds: copying the state into preallocated buffers, and a sequential
+  write + fsync of the same number of bytes.
+
+smartckpt is measured on its eager path (``save()``: blocking time = the whole snapshot copy), its
+lazy path inside a real training step (what the loop actually waits), the time until the journal
+commit, the bytes on disk and the restore time. No rich here: the CLI renders the result.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["BenchResult", "build_model", "run_bench"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(params: int, *, width: int = 4096) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An MLP of about ``params`` parameters with AdamW state after one real step."""
+    width = min(width, max(64, int((params / 4) ** 0.5)))
+    layers = max(1, round(params / (width * width + width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _train_step(model, opt)
+    return model, opt
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int = 8) -> None:
+    width = next(model.parameters()).shape[1]
+    model(torch.randn(batch, width)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@dataclass
+class BenchResult:
+    params: int
+    state_bytes: int
+    reps: int
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: float) -> None:
+        self.samples.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float | None:
+        vals = self.samples.get(name)
+        return statistics.median(vals) if vals else None
+
+    def ratio(self, a: str, b: str) -> float | None:
+        x, y = self.median(a), self.median(b)
+        return None if x is None or not y else x / y
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "state_bytes": self.state_bytes,
+            "reps": self.reps,
+            "median_seconds": {k: self.median(k) for k in self.samples},
+            "samples": self.samples,
+            "bytes_on_disk": self.sizes,
+            "ratios": {name: self.ratio(a, b) for name, (a, b) in RATIOS.items()},
+            "notes": self.notes,
+        }
+
+
+# name -> (numerator, denominator): the figures the issue's targets are stated in.
+RATIOS: dict[str, tuple[str, str]] = {
+    "blocking / torch.save+fsync": ("smartckpt.blocking", "torch.save+fsync"),
+    "blocking / DCP async_save blocking": ("smartckpt.blocking", "dcp.async_save.blocking"),
+    "blocking / copy lower bound": ("smartckpt.blocking", "bound.copy"),
+    "lazy loop wait / copy lower bound": ("smartckpt.lazy_loop_wait", "bound.copy"),
+    "committed / torch.save+fsync": ("smartckpt.committed", "torch.save+fsync"),
+    "committed / DCP save": ("smartckpt.committed", "dcp.save"),
+    "committed / write lower bound": ("smartckpt.committed", "bound.write+fsync"),
+    "restore / torch.load+load_state_dict": ("smartckpt.restore", "torch.load+load_state_dict"),
+}
+
+
+def run_bench(
+    params: int = 100_000_000,
+    *,
+    reps: int = 3,
+    workdir: str | os.PathLike[str] | None = None,
+    precision: str = "exact",
+    compression_level: int = 1,
+    workers: int = 0,
+    progress: Callable[[str], None] = lambda _msg: None,
+) -> BenchResult:
+    import torch.distributed.checkpoint as dcp
+
+    from smartckpt_cli.manager import CheckpointManager
+    from smartckpt_cli.trigger import Decision, TriggerContext
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    root = Path(tempfile.mkdtemp(prefix="smartckpt-bench-", dir=workdir))
+    progress(f"building a {params / 1e6:.0f}M-parameter model with AdamW state")
+    model, opt = build_model(params)
+    tensors = [*model.state_dict().values()] + [
+        t for s in opt.state_dict()["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    result = BenchResult(sum(p.numel() for p in model.parameters()), state_bytes, reps)
+    buffers = [torch.empty_like(t) for t in tensors]
+    payload = bytearray(os.urandom(1 << 20)) * 16  # 16 MiB of incompressible bytes
+
+    class _Always:  # fires at every step: the bench decides when to call step()
+        def should_save(self, ctx: TriggerContext) -> Decision:
+            return Decision(True, "bench")
+
+    def bound_copy() -> None:
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, tensors, strict=True):
+            b.copy_(t)
+        result.add("bound.copy", time.perf_counter() - t0)
+
+    def bound_write() -> None:
+        path = root / "seq.bin"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            left = state_bytes
+            while left > 0:
+                n = min(left, len(payload))
+                f.write(memoryview(payload)[:n])
+                left -= n
+            f.flush()
+            os.fsync(f.fileno())
+        result.add("bound.write+fsync", time.perf_counter() - t0)
+        path.unlink()
+
+    def torch_save_load() -> None:
+        path = root / "torch.pt"
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        result.add("torch.save+fsync", time.perf_counter() - t0)
+        result.sizes["torch.save"] = path.stat().st_size
+        t0 = time.perf_counter()
+        sd = torch.load(path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        result.add("torch.load+load_state_dict", time.perf_counter() - t0)
+        del sd
+        path.unlink()
+
+    def dcp_state() -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        return {"model": msd, "optimizer": osd}
+
+    def dcp_save() -> None:
+        path = root / "dcp"
+        t0 = time.perf_counter()
+        dcp.save(dcp_state(), checkpoint_id=str(path))
+        result.add("dcp.save", time.perf_counter() - t0)
+        result.sizes["dcp.save"] = _dir_bytes(path)
+        shutil.rmtree(path)
+
+    def dcp_async() -> None:
+        path = root / "dcp-async"
+        t0 = time.perf_counter()
+        fut = dcp.async_save(dcp_state(), checkpoint_id=str(path))
+        result.add("dcp.async_save.blocking", time.perf_counter() - t0)
+        fut.result()
+        result.add("dcp.async_save.total", time.perf_counter() - t0)
+        shutil.rmtree(path)
+
+    def smartckpt(rep: int) -> None:
+        path = root / f"smartckpt-{rep}"
+        with CheckpointManager(
+            path, precision=precision, compression_level=compression_level, workers=workers, policy=_Always()
+        ) as mgr:
+            mgr.register(model=model, optimizer=opt)
+            t0 = time.perf_counter()
+            handle = mgr.save(1)
+            result.add("smartckpt.blocking", handle.blocking_seconds)
+            handle.wait()
+            result.add("smartckpt.committed", time.perf_counter() - t0)
+            if handle.error is not None:
+                raise handle.error
+            result.sizes["smartckpt"] = _dir_bytes(path)
+            # The lazy path inside a training step: save at a step boundary, then one real
+            # forward/backward/optimizer step, whose pre-hook waits for the deferred copies.
+            t1 = time.perf_counter()
+            res = mgr.step(2)
+            _train_step(model, opt)
+            step_with_save = time.perf_counter() - t1
+            assert res.handle is not None
+            result.add("smartckpt.lazy_loop_wait", res.handle.loop_wait_seconds)
+            res.handle.wait()
+            t1 = time.perf_counter()
+            _train_step(model, opt)
+            result.add("train_step", time.perf_counter() - t1)
+            result.add("train_step_with_lazy_save", step_with_save)
+        with CheckpointManager(path, workers=workers) as mgr:
+            mgr.register(model=model, optimizer=opt)
+            t0 = time.perf_counter()
+            mgr.restore()
+            result.add("smartckpt.restore", time.perf_counter() - t0)
+        shutil.rmtree(path)
+
+    try:
+        for rep in range(reps):
+            progress(f"repetition {rep + 1} of {reps}")
+            for fn in (bound_copy, bound_write, torch_save_load, dcp_save, dcp_async):
+                fn()
+                gc.collect()
+            smartckpt(rep)
+            gc.collect()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
