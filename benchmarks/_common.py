@@ -51,6 +51,7 @@ def load_minilm(num_layers: int | None = None) -> torch.nn.Module:
     from transformers import AutoModel
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"local_files_only": True}
     if num_layers is not None:
         kwargs["num_hidden_layers"] = num_layers

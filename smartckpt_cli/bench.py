@@ -196,7 +196,7 @@ def run_bench(
     def dcp_async() -> None:
         path = root / "dcp-async"
         t0 = time.perf_counter()
-        fut = dcp.async_save(dcp_state(), checkpoint_id=str(path))
+        fut: Any = dcp.async_save(dcp_state(), checkpoint_id=str(path))
         result.add("dcp.async_save.blocking", time.perf_counter() - t0)
         fut.result()
         result.add("dcp.async_save.total", time.perf_counter() - t0)

@@ -229,6 +229,10 @@ def join_planes(planes: list[np.ndarray], itemsize: int, out: np.ndarray) -> Non
         out.view(_UINT[itemsize])[:] = acc
 
 
+def _bytes_of(arr: Any) -> memoryview:
+    return memoryview(arr).cast("B")
+
+
 def _squeeze(data: memoryview, level: int) -> tuple[int, bytes | memoryview]:
     """(1, zstd frame) when it pays, else (0, the bytes as they are)."""
     # A plane that shrinks by less than 5% is kept raw: decompressing it would cost more restore
@@ -247,7 +251,7 @@ def encode_chunk(raw: memoryview, itemsize: int, level: int) -> tuple[str, bytes
     if n < TINY or level < 0:
         return "raw", raw
     if itemsize in PLANES and n % itemsize == 0:
-        frames = [_squeeze(memoryview(p).cast("B"), level) for p in split_planes(raw, itemsize)]
+        frames = [_squeeze(_bytes_of(p), level) for p in split_planes(raw, itemsize)]
         if sum(len(f) for _, f in frames) >= n * 0.98:
             return "raw", raw
         head = bytes([len(frames)]) + b"".join(_HEADER.pack(flag, len(f)) for flag, f in frames)
