@@ -1,0 +1,57 @@
+"""200 consecutive saves (issue 3, item 5): resident memory, file descriptors and threads after
+the warm-up against the end, with the staging copy's size for scale.
+
+    python benchmarks/soak.py --params 2.5e7 --saves 200 --dir /tmp/soak
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import threading
+
+import psutil
+
+import smartckpt_cli as sc
+from smartckpt_cli.bench import _train_step, build_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--params", type=float, default=2.5e7)
+    p.add_argument("--saves", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--dir", default="/tmp/smartckpt-soak")
+    args = p.parse_args()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    model, opt = build_model(int(args.params))
+    proc = psutil.Process()
+    with sc.CheckpointManager(args.dir, keep_last=2, every_steps=1) as mgr:
+        mgr.register(model=model, optimizer=opt)
+        for step in range(1, args.saves + 1):
+            _train_step(model, opt, batch=2)
+            res = mgr.step(step)
+            assert res.saved, step
+            if step == args.warmup:
+                mgr.wait()
+                before = (proc.memory_info().rss, proc.num_fds(), threading.active_count())
+        mgr.wait()
+        after = (proc.memory_info().rss, proc.num_fds(), threading.active_count())
+        staging = mgr._stager.nbytes
+        failures = mgr.failures
+    shutil.rmtree(args.dir, ignore_errors=True)
+    out = {
+        "saves": args.saves,
+        "staging_bytes": staging,
+        "rss_growth_bytes": after[0] - before[0],
+        "rss_growth_over_staging": (after[0] - before[0]) / staging,
+        "fds": [before[1], after[1]],
+        "threads": [before[2], after[2]],
+        "failures": len(failures),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
