@@ -106,7 +106,7 @@ ZYGOTE = textwrap.dedent(
     results = {"probe": run(os.path.join(base, "probe"), None, 10)}
     if results["probe"] != 0:
         with open(os.path.join(base, "probe", "stderr")) as f:
-            sys.exit("probe run failed:\n" + f.read())
+            sys.exit("probe run failed: " + f.read())
     # The probe keeps every blob: how many new blobs does each save write?
     with open(os.path.join(base, "probe", "stdout")) as f:
         counts = {int(s): int(n) for _, s, n in (line.split() for line in f)}

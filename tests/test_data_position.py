@@ -70,7 +70,7 @@ def test_stateful_dataloader_uses_its_own_state_dict(tmp_path):
     with sc.CheckpointManager(tmp_path) as mgr:
         mgr.register(data=loader)
         assert mgr.registered("data") is loader  # has state_dict: checkpointed as it is
-        seen, it = _consume(loader, 17)
+        seen, _it = _consume(loader, 17)
         mgr.save(17, blocking=True)
     assert seen == reference[:17]
 
