@@ -212,21 +212,51 @@ class Journal:
         store_id, records, failures = fold(events)
         return JournalState(store_id, records, problems, failures)
 
+    def _drop_torn_tail(self) -> None:
+        """A writer that died mid-append leaves an unterminated last line. It never committed
+        anything (its crc cannot match), so the one writing process cuts it off before
+        appending; left in place it would read as damage in the middle of the journal."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if not size:
+            return
+        with open(self.path, "rb+") as f:
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            cut = _last_newline_end(f, size)
+            f.truncate(cut)
+            f.flush()
+            os.fsync(f.fileno())
+        logger.warning(
+            "journal: removed a torn last line (%d bytes) left by an interrupted write", size - cut
+        )
+
     def append(self, event: dict[str, Any]) -> None:
         """Append one event durably. For a ``commit`` this line *is* the commit point."""
         line = encode_line(event)
-        # A previous writer may have died mid-line: start on a fresh line so the torn one stays
-        # isolated and this one parses.
-        if self.path.exists() and self.path.stat().st_size:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    line = b"\n" + line
+        self._drop_torn_tail()
         if fault_active("journal.half_line"):
             self.storage.append(JOURNAL, line[: len(line) // 2])
             crash()
         self.storage.append(JOURNAL, line)
         fault_point("journal.fsynced")
+
+
+def _last_newline_end(f: Any, size: int) -> int:
+    """Offset just after the last newline in the open file (0 when there is none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - 65536)
+        f.seek(start)
+        block = f.read(pos - start)
+        i = block.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
 
 
 def manifest_rel(step: int, cid: str) -> str:

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from smartckpt_cli._faults import fault_point
+from smartckpt_cli.errors import JournalError
 from smartckpt_cli.journal import CheckpointRecord, Journal
 from smartckpt_cli.storage.base import Storage
 from smartckpt_cli.storage.local import TMP_MARK, file_lock
@@ -39,10 +40,14 @@ def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[Che
 
 
 def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
+    """Blobs a kept manifest references. A manifest that cannot be read stops garbage collection
+    (raises): treating it as referencing nothing would delete the blobs of a live checkpoint."""
     try:
         manifest = json.loads(storage.read(rel))
-    except (OSError, ValueError):
-        return set()
+    except FileNotFoundError:
+        return set()  # already gone: there is nothing left of it to protect
+    except (OSError, ValueError) as err:
+        raise JournalError(f"garbage collection stopped: cannot read manifest {rel}: {err}") from err
     out: set[str] = set()
     for entry in manifest.get("entries", {}).values():
         for stream in (entry.get("data"), entry.get("patch")):

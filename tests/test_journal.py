@@ -42,10 +42,24 @@ def test_torn_last_line_is_skipped_and_next_append_starts_fresh(tmp_path, caplog
     assert [r.step for r in state.records] == [10]
     assert any("torn last line" in p for p in state.problems)
     assert "torn last line" in caplog.text
-    _commit(j, 30)
+    _commit(j, 30)  # the writer cuts the torn tail off first: it never committed anything
     state = j.read()
     assert [r.step for r in state.records] == [10, 30]
-    assert any("corrupt line" in p for p in state.problems)
+    assert state.problems == []
+    assert "removed a torn last line" in caplog.text
+
+
+def test_damage_in_the_middle_is_reported_not_removed(tmp_path):
+    j = _journal(tmp_path)
+    for step in (1, 2, 3):
+        _commit(j, step)
+    raw = j.path.read_bytes().split(b"\n")
+    raw[2] = raw[2].replace(b'"step":2', b'"step":7')  # a bit flip in a complete line
+    j.path.write_bytes(b"\n".join(raw))
+    _commit(j, 4)
+    state = j.read()
+    assert [r.step for r in state.records] == [1, 3, 4]
+    assert state.problems == [f"{j.path}: corrupt line 3 skipped"]
 
 
 def test_fold_rollback_undo_and_prune():

@@ -90,7 +90,7 @@ def inspect_cmd(
         table.add_row(str(r.step), r.id, r.reason, r.health, f"{r.bytes_new:,}", st)
     console.print(table)
     for p in state.problems:
-        err_console.print(f"warning: {p}", markup=False)
+        typer.echo(f"warning: {p}", err=True)
 
 
 @app.command()
@@ -114,11 +114,12 @@ def verify(
         )
     else:
         for r in results:
-            console.print(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))
+            # Plain lines, never wrapped: operators grep them for blob ids.
+            typer.echo(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))
         for p in problems:
-            console.print(f"journal: {p}", markup=False)
+            typer.echo(f"journal: {p}")
         if not results:
-            console.print("no checkpoint to verify")
+            typer.echo("no checkpoint to verify")
     raise typer.Exit(0 if all(r.ok for r in results) and not problems else 1)
 
 

@@ -1,0 +1,324 @@
+"""Bad input gets one clear error naming the problem, never a traceback, and deletes nothing.
+
+Each case is checked three ways: the library API (the exception type and its message), the CLI's
+``main()`` in this process (exit code, one ``smartckpt: error:`` line on stderr) and the CLI as a
+real ``python -m smartckpt_cli.cli.app`` process. Every case snapshots the directory tree (file
+sizes and mtimes) before and after and requires every file to survive unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from smartckpt_cli import (
+    CheckpointManager,
+    JournalError,
+    NotAStoreError,
+    SmartckptError,
+    StateMismatchError,
+    StoreNotFoundError,
+)
+from smartckpt_cli.cli import app as cli_app
+from smartckpt_cli.errors import EXIT_ERROR, EXIT_USAGE
+from smartckpt_cli.journal import encode_line
+
+REPO = Path(__file__).resolve().parents[1]
+LOCKS = {"writer.lock", "journal.lock"}  # opening a store for writing may create these
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _tree(root: Path) -> dict[str, tuple[str, int, int]]:
+    """Every path under ``root`` (root included): (kind, size, mtime_ns); dirs only by kind."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for p in [root, *root.rglob("*")]:
+        st = p.lstat()
+        rel = str(p.relative_to(root))
+        out[rel] = ("dir", 0, 0) if p.is_dir() else ("file", st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _assert_nothing_lost(
+    before: dict[str, tuple[str, int, int]],
+    after: dict[str, tuple[str, int, int]],
+    locks_may_change: bool = False,
+) -> None:
+    """Every path in ``before`` is in ``after``, unchanged; nothing new appears, except lock
+    files (created or rewritten by opening a store for writing) when ``locks_may_change``."""
+    if locks_may_change:
+        before = {k: v for k, v in before.items() if Path(k).name not in LOCKS}
+        after = {k: v for k, v in after.items() if Path(k).name not in LOCKS}
+    changed = {k: (v, after.get(k)) for k, v in before.items() if after.get(k) != v}
+    assert not changed, f"files changed or deleted: {changed}"
+    new = sorted(k for k in after if k not in before)
+    assert not new, f"unexpected new files: {new}"
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+
+
+@pytest.fixture(autouse=True)
+def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    state = random.getstate(), torch.get_rng_state()
+    yield
+    random.setstate(state[0])
+    torch.set_rng_state(state[1])
+
+
+def _make_store(path: Path, model: torch.nn.Module | None = None) -> torch.nn.Module:
+    """A real store with one checkpoint (step 1) of ``model``."""
+    model = model or torch.nn.Linear(8, 16)
+    with CheckpointManager(path, chunk_mb=1) as mgr:
+        mgr.register(model=model)
+        assert mgr.save(1, blocking=True).wait() is not None
+    return model
+
+
+# ---------------------------------------------------------------------------- the cases
+
+
+@dataclass
+class Case:
+    error: type[SmartckptError]
+    exit_code: int
+    target: Path  # what the user names on the command line
+    words: tuple[str, ...]  # what the one line must say
+    root: Path  # the tree that must survive
+
+
+def _case_missing(base: Path) -> Case:
+    base.mkdir()
+    (base / "other.txt").write_text("unrelated\n")
+    missing = base / "no-such-run"
+    return Case(StoreNotFoundError, EXIT_USAGE, missing, (str(missing), "does not exist"), base)
+
+
+def _case_missing_bracketed(base: Path) -> Case:
+    """Paths with brackets must be printed as they are (rich markup must not eat them)."""
+    base.mkdir()
+    missing = base / "exp[lr=1e-3]" / "[/]ckpt"
+    return Case(StoreNotFoundError, EXIT_USAGE, missing, (str(missing), "does not exist"), base)
+
+
+def _case_not_a_store(base: Path) -> Case:
+    d = base / "project"
+    (d / "data").mkdir(parents=True)
+    (d / "train.py").write_text("print('hello')\n")
+    (d / "data" / "x.bin").write_bytes(os.urandom(1000))
+    return Case(NotAStoreError, EXIT_USAGE, d, (str(d), "not a smartckpt checkpoint store"), base)
+
+
+def _case_a_file(base: Path) -> Case:
+    base.mkdir()
+    f = base / "model.pt"
+    f.write_bytes(b"not a directory")
+    return Case(NotAStoreError, EXIT_USAGE, f, (str(f), "is not a directory"), base)
+
+
+def _case_garbage_journal(base: Path) -> Case:
+    store = base / "store"
+    _make_store(store)
+    rng = random.Random(7)
+    (store / "journal.jsonl").write_bytes(bytes(rng.randrange(256) for _ in range(3000)))
+    journal = store / "journal.jsonl"
+    return Case(JournalError, EXIT_ERROR, store, (str(journal), "not a smartckpt journal"), base)
+
+
+def _case_journal_is_a_directory(base: Path) -> Case:
+    store = base / "store"
+    _make_store(store)
+    (store / "journal.jsonl").unlink()
+    (store / "journal.jsonl").mkdir()
+    (store / "journal.jsonl" / "keep.txt").write_text("do not delete\n")
+    journal = store / "journal.jsonl"
+    return Case(JournalError, EXIT_ERROR, store, (f"cannot read journal {journal}",), base)
+
+
+def _case_newer_journal(base: Path) -> Case:
+    store = base / "store"
+    store.mkdir(parents=True)
+    init = {"event": "init", "format": "smartckpt-journal", "v": 99, "store_id": "f" * 32}
+    (store / "journal.jsonl").write_bytes(encode_line(init))
+    return Case(JournalError, EXIT_ERROR, store, ("journal version 99", "upgrade smartckpt"), base)
+
+
+CASES = {
+    "missing": _case_missing,
+    "missing-bracketed": _case_missing_bracketed,
+    "not-a-store": _case_not_a_store,
+    "a-file": _case_a_file,
+    "garbage-journal": _case_garbage_journal,
+    "journal-is-a-directory": _case_journal_is_a_directory,
+    "newer-journal": _case_newer_journal,
+}
+# The CLI as a real process costs ~3 s of CPU (torch import) per run: these run concurrently.
+SUBPROCESS_CASES = {"missing": "verify", "not-a-store": "inspect", "garbage-journal": "verify"}
+
+
+@pytest.fixture(params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path: Path) -> Case:
+    return CASES[request.param](tmp_path / "case")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, Any, dict, dict]]:
+    procs = {}
+    for name, command in SUBPROCESS_CASES.items():
+        base = tmp_path_factory.mktemp(name)
+        c = CASES[name](base / "case")
+        before = _tree(c.root)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smartckpt_cli.cli.app", command, str(c.target)],
+            cwd=base,
+            env={**_clean_env(), "PYTHONPATH": str(REPO), "COLUMNS": "60"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs[name] = (c, proc, before)
+    out = {}
+    for name, (c, proc, before) in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        out[name] = (c, (proc.returncode, stdout, stderr), before, _tree(c.root))
+    return out
+
+
+def _assert_one_error_line(stderr: str, c: Case) -> None:
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got:\n{stderr}"
+    assert lines[0].startswith("smartckpt: error: "), lines[0]
+    for word in c.words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+
+
+# ---------------------------------------------------------------------------- API
+
+
+def test_api_raises_one_clear_error_and_deletes_nothing(case: Case) -> None:
+    before = _tree(case.root)
+    with pytest.raises(case.error) as err:
+        CheckpointManager(case.target, create=False)
+    for word in case.words:
+        assert word in str(err.value)
+    assert "\n" not in str(err.value)
+    _assert_nothing_lost(before, _tree(case.root), locks_may_change=case.error is JournalError)
+    if case.error is StoreNotFoundError:
+        assert not case.target.exists()
+
+
+def test_api_error_is_the_same_on_retry(case: Case) -> None:
+    """A failed open leaves no lock behind: the retry gets the same error, not StoreLockedError
+    naming this very process."""
+    for _ in range(2):
+        with pytest.raises(case.error):
+            CheckpointManager(case.target, create=False)
+
+
+def test_default_create_does_not_touch_a_file_or_a_bad_journal(tmp_path: Path) -> None:
+    """Without create=False the manager may create a store, but never over a file or over a
+    journal it cannot read."""
+    for factory in (_case_a_file, _case_garbage_journal):
+        c = factory(tmp_path / factory.__name__)
+        before = _tree(c.root)
+        with pytest.raises(c.error):
+            CheckpointManager(c.target)
+        _assert_nothing_lost(before, _tree(c.root), locks_may_change=True)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_unreadable_journal(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _make_store(store)
+    (store / "journal.jsonl").chmod(0)
+    try:
+        before = _tree(tmp_path)
+        with pytest.raises(JournalError, match=r"cannot read journal .*Permission denied"):
+            CheckpointManager(store, create=False)
+        _assert_nothing_lost(before, _tree(tmp_path), locks_may_change=True)
+    finally:
+        (store / "journal.jsonl").chmod(0o644)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_main_prints_one_line_and_exits_with_the_error_code(
+    case: Case, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _tree(case.root)
+    monkeypatch.setattr(sys, "argv", ["smartckpt", "verify", str(case.target)])
+    with pytest.raises(SystemExit) as exit_:
+        cli_app.main()
+    assert exit_.value.code == case.exit_code == case.error.exit_code
+    out, err = capsys.readouterr()
+    assert out == ""
+    _assert_one_error_line(err, case)
+    _assert_nothing_lost(before, _tree(case.root))
+
+
+def test_cli_runner_surfaces_the_domain_error(case: Case) -> None:
+    """The typer app itself raises the domain error; main() is what maps it to the exit code."""
+    result = CliRunner().invoke(cli_app.app, ["inspect", str(case.target)])
+    assert isinstance(result.exception, case.error), result.output
+    assert result.output == ""
+
+
+@pytest.mark.parametrize("name", list(SUBPROCESS_CASES))
+def test_cli_process(name: str, cli_runs: dict[str, tuple[Case, Any, dict, dict]]) -> None:
+    c, (code, stdout, stderr), before, after = cli_runs[name]
+    assert code == c.exit_code, stderr
+    assert stdout == ""
+    _assert_one_error_line(stderr, c)
+    _assert_nothing_lost(before, after)
+
+
+# ---------------------------------------------------------------------------- shape mismatch
+
+
+def test_shape_mismatch_names_key_and_shapes_and_leaves_model_unchanged(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    torch.manual_seed(0)
+    _make_store(store, torch.nn.Linear(8, 16))
+    before_tree = _tree(store)
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 32)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with CheckpointManager(store, create=False) as mgr:
+        mgr.register(model=model)
+        with pytest.raises(StateMismatchError) as err:
+            mgr.restore()
+    msg = str(err.value)
+    # Entries are checked in manifest order: whichever comes first is named, with both shapes.
+    assert re.fullmatch(
+        r"model/weight: checkpoint shape 16x8 does not match the model's 32x8"
+        r"|model/bias: checkpoint shape 16 does not match the model's 32",
+        msg,
+    ), msg
+    assert "\n" not in msg
+    for key, want in weights.items():
+        assert torch.equal(model.state_dict()[key], want), f"{key} was modified"
+    assert torch.equal(torch.get_rng_state(), rng), "RNG was restored despite the mismatch"
+    _assert_nothing_lost(before_tree, _tree(store), locks_may_change=True)
+    # The checkpoint itself is fine: the right model restores from it.
+    right = torch.nn.Linear(8, 16)
+    with CheckpointManager(store, create=False) as mgr:
+        mgr.register(model=right)
+        assert mgr.restore() == 1
