@@ -69,7 +69,10 @@ def test_retention_keeps_last_n_and_collects_garbage(tmp_path):
 
 
 def test_second_writer_is_refused_by_the_lock(tmp_path):
-    with sc.CheckpointManager(tmp_path), pytest.raises(sc.StoreLockedError, match="already being written by pid"):
+    with (
+        sc.CheckpointManager(tmp_path),
+        pytest.raises(sc.StoreLockedError, match="already being written by pid"),
+    ):
         sc.CheckpointManager(tmp_path)
     sc.CheckpointManager(tmp_path).close()  # released on close
 
