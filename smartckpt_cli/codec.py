@@ -213,6 +213,15 @@ def split_planes(raw: memoryview, itemsize: int) -> list[np.ndarray]:
     ]
 
 
+def _scratch(n: int, dtype: Any) -> np.ndarray:
+    """A per-thread reusable intermediate: fresh allocations would page-fault on every chunk."""
+    bufs: dict[Any, np.ndarray] = _local.__dict__.setdefault("scratch", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.size < n:
+        buf = bufs[dtype] = np.empty(n, dtype=dtype)
+    return buf[:n]
+
+
 def join_planes(planes: list[np.ndarray], itemsize: int, out: np.ndarray) -> None:
     # Accumulate from the top plane down, widening as we go (u8 -> u16 -> u32), so each pass
     # works on the narrowest type that holds the bits so far; ufuncs cast their inputs in
@@ -221,7 +230,7 @@ def join_planes(planes: list[np.ndarray], itemsize: int, out: np.ndarray) -> Non
     width = acc.itemsize
     for plane in planes[1:]:
         width += plane.itemsize
-        wide = out.view(_UINT[width]) if width == itemsize else np.empty(acc.size, dtype=_UINT[width])
+        wide = out.view(_UINT[width]) if width == itemsize else _scratch(acc.size, _UINT[width])
         np.left_shift(acc, 8 * plane.itemsize, out=wide, dtype=_UINT[width])
         np.bitwise_or(wide, plane, out=wide, casting="unsafe")
         acc = wide
