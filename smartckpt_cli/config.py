@@ -35,10 +35,18 @@ class Settings:
     chunk_mb: int = 16
     workers: int = 0  # encoder threads; 0 = min(4, CPUs)
     on_l2_corrupt: str = "fallback"  # fallback | reset
-    every_steps: int | None = None
+    policy: str = "adaptive"  # adaptive | seed | fixed (see trigger.py)
+    every_steps: int | None = None  # a fixed schedule; overrides the policy
     every_seconds: float | None = None
     max_interval: float = 180.0  # seconds of training that may go unsaved
     max_interval_steps: int | None = None
+    min_interval: float = 10.0  # seconds: the floor between a policy's own saves
+    threshold: float = 0.65  # the seed policy's score threshold
+    mtbf: float = 21600.0  # seconds between failures, for the Young/Daly interval
+    eval_every: int = 10  # steps between signal evaluations (one host sync each)
+    loss_window: int = 5  # losses in the median filter
+    preempt_signals: str = "TERM,USR1,USR2"  # take a blocking save at the next step, then...
+    usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
     tiers: tuple[TierRule, ...] = field(default_factory=tuple)
 
@@ -57,6 +65,21 @@ class Settings:
             raise ConfigError("chunk_mb must be at least 1")
         if self.max_interval <= 0:
             raise ConfigError("max_interval must be positive")
+        if self.policy not in ("adaptive", "seed", "fixed"):
+            raise ConfigError(f"policy must be adaptive, seed or fixed, not {self.policy!r}")
+        if self.min_interval < 0 or self.min_interval > self.max_interval:
+            raise ConfigError("min_interval must be between 0 and max_interval")
+        if self.eval_every < 1 or self.loss_window < 1:
+            raise ConfigError("eval_every and loss_window must be at least 1")
+        if self.mtbf <= 0:
+            raise ConfigError("mtbf must be positive")
+        for name in self.signal_names:
+            if name not in ("TERM", "USR1", "USR2", "INT", "HUP"):
+                raise ConfigError(f"preempt_signals: unsupported signal {name!r}")
+
+    @property
+    def signal_names(self) -> list[str]:
+        return [n.strip().upper().removeprefix("SIG") for n in self.preempt_signals.split(",") if n.strip()]
 
     @property
     def n_workers(self) -> int:

@@ -81,6 +81,7 @@ class CheckpointRecord:
     reason: str = ""
     score: float | None = None
     bytes_new: int = 0
+    calm: bool = True
     pruned: bool = False
     rolled_back: bool = False
     event: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +129,7 @@ def fold(events: list[dict[str, Any]]) -> tuple[str | None, list[CheckpointRecor
                 reason=str(ev.get("reason", "")),
                 score=ev.get("score"),
                 bytes_new=int(ev.get("bytes_new", 0)),
+                calm=bool(ev.get("calm", True)),
                 event=ev,
             )
             records.append(rec)

@@ -39,14 +39,17 @@ from smartckpt_cli.errors import (
     SmartckptError,
     StoreLockedError,
 )
+from smartckpt_cli.preempt import PreemptionWatch
 from smartckpt_cli.registry import adapt
 from smartckpt_cli.restore import candidates, load_checkpoint
 from smartckpt_cli.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.rng import RNGState
+from smartckpt_cli.signals import SignalReading, Signals
 from smartckpt_cli.snapshot import Stager, take_snapshot
 from smartckpt_cli.storage.local import file_lock
 from smartckpt_cli.store_dir import StoreDir, open_store
-from smartckpt_cli.trigger import IntervalPolicy, Policy, TriggerContext
+from smartckpt_cli.tracefile import TraceWriter
+from smartckpt_cli.trigger import Decision, Policy, TriggerContext, make_policy
 from smartckpt_cli.writer import CommitInfo, Persister, base_meta
 
 __all__ = ["CheckpointManager", "SaveHandle", "StepResult"]
@@ -153,9 +156,17 @@ class CheckpointManager:
                 os.close(self._lock_fd)
                 self._lock_fd = None
             raise
-        self.policy: Policy = policy or IntervalPolicy(
-            s.every_steps, s.every_seconds, s.max_interval, s.max_interval_steps
-        )
+        self.policy: Policy = policy or make_policy(s)
+        self._signals = Signals(window=s.loss_window, eval_every=s.eval_every)
+        self._trace = TraceWriter(self.store.meta_root)
+        self._preempt = PreemptionWatch(s.signal_names, usr_continue=s.usr_continue)
+        self._last_step = 0
+        self._last_loss: torch.Tensor | float | None = None
+        self._last_reading: SignalReading | None = None
+        # Smoothed costs of recent saves, fed to the policy: what the loop waited, and the
+        # time until commit.
+        self._cost_wait = 0.0
+        self._cost_total = 0.0
         self._objects: dict[str, tuple[str, Any]] = {"rng": ("rng", RNGState())}
         self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
@@ -213,15 +224,19 @@ class CheckpointManager:
             self._objects[name] = (kind, adapted)
             if kind == "optimizer" and all(o is not obj for o in self._optimizers):
                 self._optimizers.append(obj)
-                # The lazy snapshot's guard: parameters and moments may only change once copied.
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+        self._preempt.install()
 
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        # The lazy snapshot's guard: parameters and moments may only change once copied.
         snap = self._lazy_snapshot
         if snap is not None:
             snap.guard()
             if snap.copied.is_set():
                 self._lazy_snapshot = None
+        # Gradient statistics for the next evaluation, reduced on the device.
+        if self._signals.due(self._last_step + 1):
+            self._signals.collect_grads(optimizer)
 
     def registered(self, name: str) -> Any:
         """The object registered under ``name`` as smartckpt sees it (a DataLoader comes back as
@@ -277,23 +292,41 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def step(self, step: int, loss: torch.Tensor | float | None = None) -> StepResult:
-        """Tell the manager a training step finished; it saves when the policy says so."""
-        loss_value = None
+        """Tell the manager a training step finished; it saves when the policy says so, or takes
+        a blocking save and hands the signal on when a preemption signal arrived.
+
+        The loss stays on its device; the signals are moved to the host once every
+        ``eval_every`` steps (one synchronisation)."""
+        self._last_step = step
         if loss is not None:
-            loss_value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        ctx = TriggerContext(step, time.monotonic(), *self._scheduled, loss_value)
+            self._last_loss = loss
+            self._signals.add_loss(loss)
+        reading = self._signals.evaluate(step) if self._signals.due(step) else None
+        ctx = TriggerContext(
+            step,
+            time.monotonic(),
+            *self._scheduled,
+            loss=reading.raw_loss if reading else None,
+            reading=reading,
+            save_cost=self._cost_wait,
+            save_total=self._cost_total,
+            mtbf=self.settings.mtbf,
+        )
         decision = self.policy.should_save(ctx)
+        if reading is not None:
+            self._last_reading = reading
+            self._trace.add(reading, decision.score, decision.reason if decision.save else "")
         result = StepResult()
+        signum = self._preempt.take()
+        if signum is not None:
+            return self._preempted(step, signum, result)
         if decision.save:
             if self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip":
                 with self._stats_lock:
                     self._stats.skipped.append(step)
                 logger.info("step %d: save skipped, the previous one is still being written", step)
             else:
-                healthy = loss_value is None or math.isfinite(loss_value)
-                result.handle = self._save(
-                    step, decision.reason, decision.score, healthy=healthy, lazy=bool(self._optimizers)
-                )
+                result.handle = self._save(step, decision, lazy=bool(self._optimizers))
                 result.saved = True
                 result.reason = decision.reason
         with self._stats_lock:
@@ -305,12 +338,31 @@ class CheckpointManager:
         """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
         flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
         also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
-        handle = self._save(step, reason, None, healthy=True, lazy=False)
+        handle = self._save(step, Decision(True, reason), lazy=False)
         if blocking:
             handle.wait()
         return handle
 
-    def _save(self, step: int, reason: str, score: float | None, *, healthy: bool, lazy: bool) -> SaveHandle:
+    def _preempted(self, step: int, signum: int, result: StepResult) -> StepResult:
+        import signal as _signal
+
+        name = _signal.Signals(signum).name
+        logger.warning("%s received: taking a blocking checkpoint at step %d", name, step)
+        handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
+        handle.wait()
+        self._trace.flush()
+        result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
+        self._preempt.finish(signum)  # exits through the signal unless told to continue
+        return result
+
+    def _loss_is_finite(self) -> bool:
+        loss = self._last_loss
+        if loss is None:
+            return True
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)  # one sync per save
+        return math.isfinite(value)
+
+    def _save(self, step: int, decision: Decision, *, lazy: bool) -> SaveHandle:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
@@ -319,22 +371,26 @@ class CheckpointManager:
             self._objects,
             stager=self._stager,
             step=step,
-            reason=reason,
-            score=score,
+            reason=decision.reason,
+            score=decision.score,
             precision=self.settings.precision,
             rules=self.settings.tiers,
             meta=self._meta,
             lazy_params=self._guarded_params() if lazy else None,
         )
+        healthy = self._loss_is_finite()
         snap.health = "ok" if healthy else "nonfinite-loss"
+        snap.calm = decision.calm and healthy
+        snap.meta = {**snap.meta, "signals": _reading_meta(self._last_reading)}
         snap_time = time.monotonic()
+        self._trace.flush()
         if healthy:
             self._scheduled = (step, snap_time)
         if snap.lazy:
             self._lazy_snapshot = snap
         future = self._saver.submit(self._persist, snap, snap_time)
         handle = SaveHandle(step, future, snap)
-        handle.blocking_seconds = time.perf_counter() - t0
+        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
         return handle
 
@@ -364,8 +420,14 @@ class CheckpointManager:
         self.last_commit = info
         with self._stats_lock:
             self._stats.commits += 1
-            if snap.health == "ok":
+            if info.health == "ok":
                 self._committed = (snap.step, snap_time)
+            else:  # non-finite weights found while writing: it does not count against the budget
+                self._scheduled = self._committed
+            wait = snap.blocking_seconds + snap.guard_seconds
+            first = self._cost_total == 0.0
+            self._cost_wait = wait if first else 0.7 * self._cost_wait + 0.3 * wait
+            self._cost_total = info.seconds if first else 0.7 * self._cost_total + 0.3 * info.seconds
         try:
             self._retain()
         except (OSError, SmartckptError) as err:
@@ -407,6 +469,8 @@ class CheckpointManager:
             self._closed = True
             self._saver.shutdown(wait=True)
             self._persister.close()
+            self._trace.flush()
+            self._preempt.uninstall()
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
@@ -429,3 +493,10 @@ class CheckpointManager:
     @property
     def directory(self) -> Path:
         return self.store.root
+
+
+def _reading_meta(r: SignalReading | None) -> dict[str, Any] | None:
+    """The signals that led to a checkpoint, for its manifest."""
+    if r is None:
+        return None
+    return {"step": r.step, "loss": r.loss, "curvature": r.curvature, "grad_var": r.grad_var}

@@ -29,14 +29,18 @@ GC_LOCK = "gc.lock"
 
 
 def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[CheckpointRecord]:
-    """Live checkpoints beyond the newest ``keep_last`` (never the newest one). Rolled-back ones
-    are kept: a rollback can be undone."""
+    """Healthy live checkpoints beyond the newest ``keep_last``, except the newest *calm* one:
+    saves taken while the trigger saw a risk (a precursor of a spike) must not evict the last
+    known-good state. Unhealthy checkpoints never count towards ``keep_last``, so they can never
+    push a healthy one out; they go once a newer healthy one exists. Rolled-back checkpoints are
+    kept: a rollback can be undone."""
     live = sorted((r for r in records if r.live and r.health == "ok"), key=lambda r: r.position)
     keep = max(1, keep_last)
+    calm = [r for r in live if r.calm]
+    known_good = calm[-1] if calm else None
     unhealthy = [r for r in records if r.live and r.health != "ok"]
     newest_ok = live[-1].position if live else -1
-    # Unhealthy checkpoints older than the newest healthy one serve no purpose either.
-    return live[:-keep] + [r for r in unhealthy if r.position < newest_ok]
+    return [r for r in live[:-keep] if r is not known_good] + [r for r in unhealthy if r.position < newest_ok]
 
 
 def _manifest_blobs(storage: Storage, rel: str) -> set[str]:

@@ -63,6 +63,8 @@ class Snapshot:
     lazy_event: Any = None  # CUDA: the side-stream copy of the lazy tensors
     copied: threading.Event = field(default_factory=threading.Event)
     guard_seconds: float = 0.0  # time the optimizer pre-hook waited for the lazy copies
+    blocking_seconds: float = 0.0  # time save() blocked the caller (set by the manager)
+    calm: bool = True  # the trigger saw calm signals: a known-good candidate for retention
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the

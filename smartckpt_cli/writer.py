@@ -50,6 +50,7 @@ class CommitInfo:
     bytes_total: int  # encoded bytes it references (shared ones included)
     bytes_raw: int  # bytes of the state before precision reduction and compression
     seconds: float
+    health: str = "ok"
 
 
 @dataclass
@@ -133,6 +134,11 @@ class Persister:
             n_patch = 0 if red.patch_index is None else red.patch_index.numel()
             layout.append((len(data), len(patch), n_patch))
         results = list(self.pool.map(self._put, jobs))
+        health = snap.health
+        if health == "ok" and not all(
+            self.pool.map(_finite, [i.tensor for i in snap.items if i.plan.tier == "L1"])
+        ):
+            health = "nonfinite-weights"  # committed for inspection, never restored by default
         new_dirs = {f"blobs/{r[0][0][:2]}" for r in results if r[1]}
         self.storage.sync_dirs(new_dirs)
         fault_point("blobs.durable")
@@ -165,7 +171,8 @@ class Persister:
             "store_id": self.store_id,
             "id": cid,
             "step": snap.step,
-            "health": snap.health,
+            "health": health,
+            "calm": snap.calm,
             "meta": {**snap.meta, "reason": snap.reason, "score": snap.score, "utc": _utc_now()},
             "objects": snap.objects,
             "entries": entries,
@@ -182,14 +189,21 @@ class Persister:
                 "id": cid,
                 "manifest": rel,
                 "manifest_hash": codec.blob_id(manifest_bytes),
-                "health": snap.health,
+                "health": health,
+                "calm": snap.calm,
                 "reason": snap.reason,
                 "score": snap.score,
                 "bytes_new": bytes_new,
                 "bytes_total": bytes_total,
             }
         )
-        return CommitInfo(snap.step, cid, rel, bytes_new, bytes_total, bytes_raw, time.perf_counter() - t0)
+        return CommitInfo(
+            snap.step, cid, rel, bytes_new, bytes_total, bytes_raw, time.perf_counter() - t0, health
+        )
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
 
 
 def _utc_now() -> str:
