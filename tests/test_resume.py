@@ -93,3 +93,37 @@ def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
     trace = _trace(lines)
     assert trace == {n: ref_trace[n] for n in trace}
     _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+
+
+def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, python, reference):
+    """Preemption: SIGTERM makes the next step boundary take a blocking save, then the process
+    dies of the signal; the run started again continues bit for bit."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    ref_trace, ref_state = reference
+    store = tmp_path / "store"
+    cmd = _cmd(python, store, tmp_path / "final.pt")
+    cmd[cmd.index("7")] = "1000"  # no scheduled save before the signal
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line.strip())
+        if line.startswith("step 20 "):
+            os.kill(proc.pid, signal.SIGTERM)
+    rc = proc.wait()
+    assert rc == -signal.SIGTERM, f"expected death by SIGTERM, got {rc}"
+    last = max(_trace(seen))
+    assert last in (20, 21), f"it went on to step {last} after the signal"
+    commits = [json.loads(ln) for ln in (store / "journal.jsonl").read_text().splitlines()[1:]]
+    assert [(c["step"], c["reason"]) for c in commits] == [(last, "preemption (SIGTERM)")]
+
+    cmd[cmd.index("1000")] = "7"
+    lines, rc = run_until(cmd, None)
+    assert rc == 0
+    assert any(ln.startswith(f"restored step {last}:") for ln in lines)
+    trace = _trace(lines)
+    assert min(trace) == last + 1 and trace == {n: ref_trace[n] for n in trace}
+    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)

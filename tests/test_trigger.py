@@ -1,0 +1,177 @@
+"""The trigger: the seed's score, the lost-work budget, the adaptive policy, signals, health."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import smartckpt_cli as sc
+from smartckpt_cli.config import Settings
+from smartckpt_cli.journal import CheckpointRecord
+from smartckpt_cli.retention import select_prunable
+from smartckpt_cli.signals import SignalReading, Signals, curvature
+from smartckpt_cli.trigger import (
+    AdaptivePolicy,
+    Bounded,
+    Decision,
+    SeedPolicy,
+    TriggerContext,
+    make_policy,
+    seed_score,
+    young_daly,
+)
+
+
+def _sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+@pytest.mark.parametrize(
+    ("curv", "var", "expected"),
+    [
+        (0.0, 0.0, 0.7 * 0.5 + 0.3 * 0.5),  # 0.5
+        (0.03, 0.0, 0.7 * _sig(1) + 0.15),
+        (-0.03, 1e-5, 0.7 * _sig(1) + 0.3 * (1 - _sig(1))),
+        (0.3, 1e-3, 0.7 * _sig(10) + 0.3 * (1 - _sig(100))),
+    ],
+)
+def test_seed_score_at_known_points(curv, var, expected):
+    assert seed_score(curv, var) == pytest.approx(expected, rel=1e-12)
+
+
+def test_seed_score_threshold_and_its_inverted_variance():
+    assert seed_score(0.0, 0.0) == pytest.approx(0.5)
+    assert seed_score(0.03, 0.0) >= 0.65 > seed_score(0.01, 0.0)
+    # As written, low gradient variance raises the seed's score:
+    assert seed_score(0.02, 0.0) > seed_score(0.02, 1e-3)
+    pol = SeedPolicy(0.65)
+    fire = pol.should_save(_ctx(10, 0.0, reading=SignalReading(10, 1.0, 0.05, 0.0)))
+    assert fire.save and fire.score == pytest.approx(seed_score(0.05, 0.0))
+
+
+def _ctx(step, now, last_step=None, last_time=0.0, **kw):
+    return TriggerContext(step, now, last_step, last_time, **kw)
+
+
+class _Never:
+    def should_save(self, ctx):
+        return Decision(False, score=0.1)
+
+
+class _Always:
+    def should_save(self, ctx):
+        return Decision(True, "always", 0.9, calm=False)
+
+
+def test_budget_commits_at_most_max_interval_apart_with_a_fake_clock():
+    budget = Bounded(_Never(), min_interval=10, max_interval=180)
+    clock, last, saves = 0.0, 0.0, []
+    for step in range(1, 2001):
+        clock += 0.73  # seconds per step
+        d = budget.should_save(_ctx(step, clock, saves[-1][0] if saves else None, last))
+        if d.save:
+            assert d.reason == "lost-work budget"
+            saves.append((step, clock))
+            last = clock
+    gaps = [b[1] - a[1] for a, b in zip([(0, 0.0), *saves], saves, strict=False)]
+    assert len(saves) == int(2000 * 0.73 // 180)
+    assert max(gaps) <= 180 + 0.73
+
+
+def test_budget_in_steps_and_min_interval_floor():
+    budget = Bounded(_Always(), min_interval=10, max_interval=1e9, max_interval_steps=50)
+    assert not budget.should_save(_ctx(5, 9.9)).save  # a policy's own save is floored
+    assert budget.should_save(_ctx(6, 10.0)).save
+    assert budget.should_save(_ctx(50, 1.0, last_step=0)).reason == "lost-work budget"
+
+
+def test_young_daly_and_cost_feedback():
+    assert young_daly(2.0, 3600) == pytest.approx(math.sqrt(2 * 2 * 3600))
+    pol = AdaptivePolicy(mtbf=3600, background_share=0.0)
+    cheap = pol.interval(_ctx(1, 0, save_cost=0.5))
+    dear = pol.interval(_ctx(1, 0, save_cost=8.0))
+    assert dear == pytest.approx(4 * cheap)  # a 16x costlier save is taken 4x less often
+
+
+def test_adaptive_risk_rises_with_gradient_variance_and_alarms():
+    pol = AdaptivePolicy(mtbf=3600)
+    for i in range(10):
+        d = pol.should_save(_ctx(10 * i, 1.0, last_time=0.0, reading=SignalReading(10 * i, 1.0, 0.001, 1e-4)))
+        assert not d.save
+    calm_risk = pol._risk
+    d = pol.should_save(_ctx(110, 1.0, last_time=0.0, reading=SignalReading(110, 1.0, 0.001, 1e-2)))
+    assert pol._risk > 0.9 > 0.5 >= calm_risk
+    assert d.save and d.reason == "risk alarm" and not d.calm
+
+
+def test_make_policy_by_name():
+    assert isinstance(make_policy(Settings()).inner, AdaptivePolicy)
+    assert isinstance(make_policy(Settings(policy="seed")).inner, SeedPolicy)
+    assert make_policy(Settings(every_steps=5)).bound_inner is False
+
+
+def test_signals_median_filter_curvature_and_global_variance():
+    sig = Signals(window=5, eval_every=10)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    sig.collect_grads(opt)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    for loss in (1.0, 9.0, 1.1, 1.2, 1.3):  # one outlier batch: the median ignores it
+        sig.add_loss(torch.tensor(loss))
+    r = sig.evaluate(10)
+    assert r.loss == pytest.approx(1.2) and r.curvature is None
+    assert r.grad_var == pytest.approx(grads.var(unbiased=False).item(), rel=1e-5)
+    assert curvature([1.0, 0.8, 0.7]) == pytest.approx(0.1)
+
+
+def test_retention_keeps_the_newest_calm_checkpoint():
+    recs = [CheckpointRecord(s, f"c{s}", "m", "h", position=s, calm=s <= 2) for s in range(1, 7)]
+    doomed = {r.step for r in select_prunable(recs, keep_last=3)}
+    assert doomed == {1, 3}  # 4-6 kept by keep_last; 2 is the newest calm one: kept too
+    recs.append(CheckpointRecord(7, "c7", "m", "h", position=7, health="nonfinite-loss"))
+    assert {r.step for r in select_prunable(recs, keep_last=3)} == {1, 3}  # unhealthy evicts nothing
+
+
+def test_nonfinite_loss_and_weights_never_replace_a_healthy_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    with sc.CheckpointManager(tmp_path, every_steps=1, keep_last=1) as mgr:
+        mgr.register(model=model)
+        assert mgr.step(1, loss=torch.tensor(0.5)).handle.wait().health == "ok"
+        good = {k: v.clone() for k, v in model.state_dict().items()}
+        assert mgr.step(2, loss=torch.tensor(float("nan"))).handle.wait() is not None
+        with torch.no_grad():
+            model.weight[0, 0] = float("inf")
+        assert mgr.step(3, loss=torch.tensor(0.4)).handle.wait().health == "nonfinite-weights"
+    journal = (tmp_path / "journal.jsonl").read_text()
+    assert '"health":"nonfinite-loss"' in journal and '"health":"nonfinite-weights"' in journal
+    fresh = torch.nn.Linear(8, 8)
+    with sc.CheckpointManager(tmp_path) as mgr:
+        mgr.register(model=fresh)
+        assert mgr.restore() == 1  # unhealthy ones skipped; keep_last=1 did not evict step 1
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in good.items())
+
+
+def test_trace_and_manifest_record_the_signals(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    with sc.CheckpointManager(tmp_path, every_steps=20, eval_every=5) as mgr:
+        mgr.register(model=model, optimizer=opt)
+        for step in range(1, 41):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.step(step, loss=loss)
+    (trace,) = (tmp_path / "traces").iterdir()
+    lines = trace.read_text().splitlines()
+    assert lines[0] == "step,time,loss,curvature,grad_var,score,decision"
+    assert [int(ln.split(",")[0]) for ln in lines[1:]] == list(range(5, 41, 5))
+    assert all(float(ln.split(",")[4]) > 0 for ln in lines[1:])  # gradient variance measured
+    assert lines[4].endswith("every 20 steps") and lines[8].endswith("every 20 steps")
+    manifest = sorted((tmp_path / "manifests").iterdir())[-1].read_text()
+    assert '"signals":{"curvature"' in manifest and '"step":40' in manifest
