@@ -179,7 +179,16 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     # zstd contexts are not thread-safe; one per thread and level.
     cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("c", {})
     if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
+        if level <= 3:
+            # Byte planes of floats are low-entropy bytes with few long repeats. zstd's default
+            # match finder spends its time looking for matches that are not there: on the
+            # exponent plane of fp32 weights, level 1 runs at 0.16 GB/s for a 0.360 ratio. A tiny
+            # hash table and the longest minimum match leave it to the entropy coder: 0.70 GB/s,
+            # 0.324 ratio, and decoding 1.4 vs 0.6 GB/s (measured on this machine, see README).
+            params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=6)
+            cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
 
 

@@ -33,7 +33,7 @@ class Settings:
     precision: str = "exact"  # exact | bf16 | fp16 (optimizer moments only)
     compression_level: int = 1  # zstd level; -1 stores raw
     chunk_mb: int = 16
-    workers: int = 0  # encoder threads; 0 = min(4, CPUs)
+    workers: int = 0  # encoder threads; 0 = min(8, 2 x CPUs)
     on_l2_corrupt: str = "fallback"  # fallback | reset
     policy: str = "adaptive"  # adaptive | seed | fixed (see trigger.py)
     every_steps: int | None = None  # a fixed schedule; overrides the policy
@@ -83,7 +83,9 @@ class Settings:
 
     @property
     def n_workers(self) -> int:
-        return self.workers or min(4, os.cpu_count() or 1)
+        # Twice the cores: each chunk task alternates compression (CPU) and write + fsync
+        # (waiting on the disk), so half of them are usually off the CPU.
+        return self.workers or min(8, 2 * (os.cpu_count() or 1))
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -129,7 +129,7 @@ def bench(
     reps: Annotated[int, typer.Option(min=1, help="Repetitions; each figure is their median.")] = 3,
     precision: Annotated[str, typer.Option(help="exact, bf16 or fp16 for smartckpt's moments.")] = "exact",
     level: Annotated[int, typer.Option(help="zstd level for smartckpt (-1: raw).")] = 1,
-    workers: Annotated[int, typer.Option(help="Encoder threads (0: min(4, CPUs)).")] = 0,
+    workers: Annotated[int, typer.Option(help="Encoder threads (0: min(8, 2 x CPUs)).")] = 0,
     workdir: Annotated[Path | None, typer.Option(help="Where to write (default: the temp dir).")] = None,
     as_json: Annotated[
         Path | None, typer.Option("--json", help="Also write the results to this file.")
@@ -156,6 +156,97 @@ def bench(
     if as_json is not None:
         as_json.write_text(json.dumps(result.to_json(), indent=2))
         console.print(f"results written to {as_json}")
+
+
+@app.command()
+def simulate(
+    trace: Annotated[Path, typer.Argument(help="A trace CSV, or a store directory (its traces/ folder).")],
+    mtbf: Annotated[float, typer.Option(help="Mean time between failures, seconds.")] = 21600.0,
+    save_cost: Annotated[float, typer.Option(help="Seconds the training loop loses per save.")] = 0.5,
+    save_total: Annotated[float, typer.Option(help="Seconds from a save's start to its commit.")] = 5.0,
+    checkpoints: Annotated[
+        int | None,
+        typer.Option(help="Calibrate every policy to this many saves (default: adaptive's count)."),
+    ] = None,
+    min_interval: Annotated[float, typer.Option(help="Floor between a policy's own saves, s.")] = 10.0,
+    max_interval: Annotated[float, typer.Option(help="Lost-work budget: longest gap, s.")] = 180.0,
+    keep_last: Annotated[int, typer.Option(help="Retention: checkpoints kept.")] = 3,
+    spike_k: Annotated[float, typer.Option(help="Spike onset: filtered loss > baseline + k·MAD.")] = 6.0,
+    onsets: Annotated[
+        str | None, typer.Option(help="Comma-separated onset steps instead of detecting them.")
+    ] = None,
+    all_runs: Annotated[
+        bool, typer.Option("--all-runs", help="Concatenate every run of a store, not just the newest.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Replay a signal trace under the fixed, seed and adaptive policies at the same number of
+    checkpoints: overhead, expected lost work, distance from loss spikes to a retained checkpoint.
+
+    Example: smartckpt simulate ./checkpoints --mtbf 3600 --save-cost 2 --save-total 20
+    """
+    from smartckpt_cli.errors import ConfigError
+    from smartckpt_cli.simulate import SimConfig, read_trace
+    from smartckpt_cli.simulate import simulate as run_simulation
+
+    steps = None
+    if onsets is not None:
+        try:
+            steps = tuple(int(s) for s in onsets.split(",") if s.strip())
+        except ValueError:
+            raise ConfigError(f"--onsets must be comma-separated steps, not {onsets!r}") from None
+    cfg = SimConfig(
+        mtbf=mtbf,
+        save_cost=save_cost,
+        save_total=save_total,
+        min_interval=min_interval,
+        max_interval=max_interval,
+        keep_last=keep_last,
+        checkpoints=checkpoints,
+        spike_k=spike_k,
+        onsets=steps,
+    )
+    cfg.check()
+    result = run_simulation(read_trace(trace, all_runs=all_runs), cfg)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    console.print(
+        f"trace: {escape(result.source)}\n{result.rows} rows, {result.duration:,.1f} s; "
+        f"calibration: {result.method}",
+        soft_wrap=True,
+        highlight=False,
+    )
+    if result.onsets:
+        console.print(
+            "divergence onsets at steps " + ", ".join(str(o.step) for o in result.onsets), highlight=False
+        )
+    else:
+        console.print("no divergence onsets found", highlight=False)
+    table = Table(title=f"policies at MTBF {mtbf:g}s, save cost {save_cost:g}s, commit after {save_total:g}s")
+    for col in ("policy", "setting", "checkpoints", "overhead", "lost/failure", "expected lost"):
+        table.add_column(col, justify="left" if col in ("policy", "setting") else "right")
+    for col in ("onset dist mean", "onset dist max", "rollback lost", "missed"):
+        table.add_column(col, justify="right")
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.1f}s"
+
+    for p in result.policies:
+        count = str(p.checkpoints) + ("" if p.exact_count else f" (target {result.target})")
+        table.add_row(
+            p.name,
+            p.knob,
+            count,
+            f"{p.overhead:.2%}",
+            sec(p.mean_lost),
+            sec(p.expected_lost),
+            sec(p.mean_distance),
+            sec(p.max_distance),
+            sec(p.mean_rollback_lost),
+            str(p.missed) if result.onsets else "-",
+        )
+    console.print(table)
 
 
 def main() -> None:
