@@ -15,6 +15,8 @@ Store bytes are a directory walk of blobs/ + manifests/ + journal.jsonl (file si
 per checkpoint, so the ratio includes the manifest and journal overhead.
 
     python benchmarks/sizes.py [--json out.json] [--skip-synthetic] [--skip-minilm]
+
+Runtime about 2 minutes on two CPU cores, peak RSS about 3.2 GB, about 1.5 GB of temporary disk.
 """
 
 from __future__ import annotations
