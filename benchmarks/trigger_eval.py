@@ -1,0 +1,243 @@
+"""When to save, judged on real traces (issue 4, must-show 2).
+
+Two real fine-tuning runs of all-MiniLM-L6-v2 (pretrained weights, offline; the first
+``--layers`` transformer layers, to keep CPU time sane) with AdamW on sentence/next-sentence
+pairs (MultipleNegativesRanking loss; see _common.py), each under smartckpt's CheckpointManager
+with ``eval_every=1``, so smartckpt's own signals code writes a dense trace (loss median-filtered
+over 5 steps, its curvature, the global gradient variance). Neither run saves (a fixed schedule
+of 10⁹ steps, a budget of 10⁹ s): saves would only disturb the step times.
+
+1. ``clean``: a plain fine-tune.
+2. ``spikes``: the same fine-tune, but at a few chosen steps the learning rate is multiplied by
+   ``--spike-factor`` for ``--spike-len`` optimizer steps. The loss really spikes and the
+   gradient variance really reacts; nothing is injected into the trace.
+
+``smartckpt simulate``'s engine then replays each trace under the fixed, seed and adaptive
+policies at the same number of checkpoints (see smartckpt_cli/simulate.py for the calibration,
+the exact lost-work integral, onset detection and retention). Times are scaled to this machine's
+step time s (the median gap between trace rows), so the experiment does not depend on the CPU:
+a save costs the loop ``--save-cost`` × s, commits ``--save-total`` × s after it is taken, the
+policies' floor and budget are ``--min-interval`` × s and ``--max-interval`` × s, and the MTBF
+is ``--mtbf`` × s.
+
+Spike runs also report the *clean* distance: from the first perturbed optimizer step back to
+the newest retained checkpoint taken before it (its weights were never touched by the
+perturbation). A checkpoint between the perturbation and the loss onset counts as "before the
+onset" for the issue's metric, but it already holds perturbed weights; the clean distance says
+whether a policy kept a state that is actually good.
+
+    python benchmarks/trigger_eval.py [--steps 400] [--layers 2] [--workdir /tmp/te] [--json out.json]
+    python benchmarks/trigger_eval.py --reuse /tmp/te    # simulate the traces of an earlier run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import torch
+
+from smartckpt_cli import CheckpointManager
+from smartckpt_cli.simulate import Onset, SimConfig, SimResult, read_trace, retained_before, simulate
+
+
+def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[int]) -> dict[str, Any]:
+    """One fine-tune under CheckpointManager; returns the losses and the perturbed steps."""
+    torch.manual_seed(args.seed)
+    model = C.load_minilm(num_layers=args.layers)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    perturbed = {s + j for s in spikes for j in range(args.spike_len)}  # loop indices
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    with CheckpointManager(
+        store, every_steps=10**9, max_interval=1e9, eval_every=args.eval_every, keep_last=1
+    ) as mgr:
+        mgr.register(model=model, optimizer=opt)
+        for i in range(args.steps):
+            warm = min(1.0, (i + 1) / args.warmup)
+            for g in opt.param_groups:
+                g["lr"] = args.lr * warm * (args.spike_factor if i in perturbed else 1.0)
+            loss = C.pair_loss(model, data.batch(i, args.seed, args.batch))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            # The trace row of step i+1 holds the state after optimizer step i: perturbed from
+            # row min(perturbed)+1 on; its loss and gradients are those of the weights before.
+            mgr.step(i + 1, loss=loss.detach())
+            losses.append(float(loss))
+            if (i + 1) % 50 == 0:
+                rate = (time.perf_counter() - t0) / (i + 1)
+                print(f"  {store.name}: step {i + 1} loss {losses[-1]:.4f} ({rate:.2f} s/step)", flush=True)
+    return {"losses": losses, "seconds": time.perf_counter() - t0}
+
+
+def sim_config(args: argparse.Namespace, step_s: float, checkpoints: int | None) -> SimConfig:
+    return SimConfig(
+        mtbf=args.mtbf * step_s,
+        save_cost=args.save_cost * step_s,
+        save_total=args.save_total * step_s,
+        min_interval=args.min_interval * step_s,
+        max_interval=args.max_interval * step_s,
+        keep_last=args.keep_last,
+        checkpoints=checkpoints,
+        spike_k=args.spike_k,
+    )
+
+
+def clean_distances(res: SimResult, trace_rows: Any, spikes: list[int], keep_last: int) -> dict[str, Any]:
+    """Per policy: for each perturbation, the newest retained checkpoint whose weights predate
+    it (trace step <= first perturbed loop index), judged when the loss event it caused ends."""
+    steps = [r.step for r in trace_rows]
+    out: dict[str, Any] = {}
+    for p in res.policies:
+        dists, ckpts = [], []
+        for s in spikes:
+            # the event this perturbation caused: the first detected onset after it
+            ev = next((o for o in res.onsets if o.step > s), None)
+            end_i = ev.end_index if ev is not None else len(steps) - 1
+            i = (
+                steps.index(s + 1)
+                if s + 1 in steps
+                else min(range(len(steps)), key=lambda k: abs(steps[k] - s))
+            )
+            row = trace_rows[i]
+            fake = Onset(i, s + 1, row.time, end_i, steps[end_i], trace_rows[end_i].time)
+            ck = retained_before(list(p.saves), fake, keep_last)
+            t = ck.time if ck is not None else trace_rows[0].time
+            dists.append(row.time - t)
+            ckpts.append(ck.step if ck is not None else None)
+        out[p.name] = {"checkpoints": ckpts, "distances": dists}
+    return out
+
+
+def report(name: str, res: SimResult, step_s: float, clean: dict[str, Any] | None) -> list[str]:
+    print(
+        f"\n[{name}] {res.rows} rows, {res.duration:.1f} s, step time s = {step_s:.3f} s; "
+        f"onsets at steps {[o.step for o in res.onsets] or 'none'}\n  calibration: {res.method}"
+    )
+    head = [
+        "policy",
+        "setting",
+        "ckpts",
+        "overhead",
+        "lost/failure s",
+        "expected lost s",
+        "onset dist mean s",
+        "max s",
+        "rollback lost s",
+        "missed",
+    ]
+    if clean is not None:
+        head += ["clean dist mean s", "max s", "retained before perturbation"]
+    rows = []
+    for p in res.policies:
+        row: list[Any] = [
+            p.name,
+            p.knob,
+            p.checkpoints if p.exact_count else f"{p.checkpoints} (!)",
+            f"{p.overhead:.2%}",
+            p.mean_lost,
+            p.expected_lost,
+            p.mean_distance if p.onsets else "-",
+            p.max_distance if p.onsets else "-",
+            p.mean_rollback_lost if p.onsets else "-",
+            p.missed if p.onsets else "-",
+        ]
+        if clean is not None:
+            c = clean[p.name]
+            row += [statistics.fmean(c["distances"]), max(c["distances"]), c["checkpoints"]]
+        rows.append(row)
+    print(C.table(head, rows))
+    for p in res.policies:
+        if p.onsets:
+            print(
+                f"  {p.name}: onset -> retained checkpoint: "
+                + ", ".join(f"{o.step}->{o.checkpoint_step}" for o in p.onsets)
+            )
+    fixed, adaptive = res.policy("fixed"), res.policy("adaptive")
+    lines = [
+        f"{name}: adaptive/fixed expected lost work = {adaptive.mean_lost / fixed.mean_lost:.3f} (target <= 1.05)"
+    ]
+    if res.onsets and adaptive.mean_distance:
+        lines.append(
+            f"{name}: fixed/adaptive mean onset distance = {fixed.mean_distance / adaptive.mean_distance:.2f}x "
+            f"(target >= 2), max {fixed.max_distance / max(adaptive.max_distance or 1e-9, 1e-9):.2f}x"
+        )
+    if clean is not None:
+        ca, cf = (
+            statistics.fmean(clean["adaptive"]["distances"]),
+            statistics.fmean(clean["fixed"]["distances"]),
+        )
+        lines.append(f"{name}: fixed/adaptive mean clean distance = {cf / ca:.2f}x")
+    for ln in lines:
+        print("  " + ln)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--layers", type=int, default=2, help="transformer layers of MiniLM kept")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=24, help="max tokens per sentence")
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=1)
+    ap.add_argument("--spikes", default="130,230,330", help="loop steps where the lr is multiplied")
+    ap.add_argument("--spike-factor", type=float, default=30.0)
+    ap.add_argument("--spike-len", type=int, default=2, help="optimizer steps per perturbation")
+    ap.add_argument("--mtbf", type=float, default=300.0, help="x step time")
+    ap.add_argument("--save-cost", type=float, default=0.25, help="x step time")
+    ap.add_argument("--save-total", type=float, default=2.0, help="x step time")
+    ap.add_argument("--min-interval", type=float, default=3.0, help="x step time")
+    ap.add_argument("--max-interval", type=float, default=60.0, help="x step time")
+    ap.add_argument("--keep-last", type=int, default=3)
+    ap.add_argument("--spike-k", type=float, default=6.0)
+    ap.add_argument("--checkpoints", type=int, default=None, help="calibrate all policies to N")
+    ap.add_argument("--workdir", default="/tmp/smartckpt-trigger-eval")
+    ap.add_argument("--reuse", help="a workdir of an earlier run: simulate its traces, train nothing")
+    ap.add_argument("--json", help="also write the figures to this JSON file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    spikes = [int(s) for s in args.spikes.split(",") if s.strip()]
+    work = Path(args.reuse or args.workdir)
+    results: dict[str, Any] = {"config": vars(args)}
+    if not args.reuse:
+        work.mkdir(parents=True, exist_ok=True)
+        for sub in ("clean", "spikes"):
+            for f in (work / sub / "traces").glob("*.csv"):
+                f.unlink()
+        data = C.TextData(max_len=args.seq)
+        n = sum(p.numel() for p in C.load_minilm(num_layers=args.layers).parameters())
+        print(f"all-MiniLM-L6-v2, {args.layers} layers ({n / 1e6:.1f}M parameters), batch {args.batch}")
+        results["clean_run"] = train(args, data, work / "clean", [])
+        results["spike_run"] = train(args, data, work / "spikes", spikes)
+    for name in ("clean", "spikes"):
+        trace = read_trace(work / name)
+        gaps = [b.time - a.time for a, b in zip(trace.rows, trace.rows[1:], strict=False)]
+        step_s = statistics.median(gaps) / args.eval_every
+        res = simulate(trace, sim_config(args, step_s, args.checkpoints))
+        clean = clean_distances(res, trace.rows, spikes, args.keep_last) if name == "spikes" else None
+        results[name] = {**res.to_json(), "step_s": step_s, "clean": clean}
+        results[name]["verdict"] = report(name, res, step_s, clean)
+        if name == "spikes":
+            # The same spike trace at a fixed, round number of checkpoints, for a second view.
+            n_more = max(3, res.target * 2)
+            res2 = simulate(trace, replace(sim_config(args, step_s, n_more)))
+            clean2 = clean_distances(res2, trace.rows, spikes, args.keep_last)
+            results[f"{name}_x2"] = {**res2.to_json(), "clean": clean2}
+            results[f"{name}_x2"]["verdict"] = report(f"{name} @ {n_more} ckpts", res2, step_s, clean2)
+    C.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
