@@ -3,8 +3,10 @@
 A test child process sets ``SMARTCKPT_TEST_FAULTS=1`` and ``SMARTCKPT_FAULT=<point>[@N]``; the N-th
 time (default 1st) the code passes ``<point>`` the process SIGKILLs itself, exactly as a power cut or
 an OOM kill would stop it there. Both variables are needed, so a stray ``SMARTCKPT_FAULT`` in a
-user's environment does nothing. Points: blob.written, blob.renamed, blobs.durable,
-manifest.written, manifest.renamed, journal.half_line, journal.fsynced, prune.in_progress.
+user's environment does nothing. Points, in the order a save passes them: blob.stored (a new
+blob is in its temporary file, write-back started), blob.written (fsynced, not yet renamed),
+blob.renamed, blobs.durable, manifest.written, manifest.renamed, journal.half_line,
+journal.fsynced, prune.in_progress.
 """
 
 from __future__ import annotations

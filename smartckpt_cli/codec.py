@@ -25,6 +25,7 @@ Two layers:
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 import threading
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ __all__ = [
     "reduce",
     "tensor_bytes",
 ]
+
+ReadableBuffer = bytes | bytearray | memoryview | mmap.mmap
 
 TINY = 4096  # below this, compression is not worth a zstd frame
 _FP16_MIN_NORMAL = 2.0**-14
@@ -78,12 +81,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def blob_id(data: bytes | bytearray | memoryview) -> str:
+def blob_id(data: ReadableBuffer) -> str:
     """A blob's name: xxh3-128 of its encoded bytes, so verifying a blob is re-hashing it."""
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def raw_hash(data: bytes | bytearray | memoryview) -> str:
+def raw_hash(data: ReadableBuffer) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
@@ -278,7 +281,7 @@ def encode_chunk(raw: memoryview, itemsize: int, level: int) -> tuple[str, bytes
     return ("zstd", data) if flag else ("raw", raw)
 
 
-def _planes_from(data: bytes, itemsize: int, count: int) -> list[np.ndarray]:
+def _planes_from(data: ReadableBuffer, itemsize: int, count: int) -> list[np.ndarray]:
     n = data[0]
     if n != len(PLANES.get(itemsize, ())):
         raise ValueError(f"chunk has {n} planes, expected {len(PLANES.get(itemsize, ()))}")
@@ -298,7 +301,7 @@ def _planes_from(data: bytes, itemsize: int, count: int) -> list[np.ndarray]:
     return planes
 
 
-def decode_into(codec: str, data: bytes, out: np.ndarray, itemsize: int) -> None:
+def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int) -> None:
     """Decode one chunk into ``out`` (a uint8 array of exactly the chunk's raw length)."""
     raw_len = out.size
     if codec == "planes":
@@ -306,10 +309,11 @@ def decode_into(codec: str, data: bytes, out: np.ndarray, itemsize: int) -> None
             raise ValueError(f"planes codec with item size {itemsize}")
         join_planes(_planes_from(data, itemsize, raw_len // itemsize), itemsize, out)
         return
+    view = memoryview(data)
     if codec == "raw":
-        src: bytes | memoryview = data
+        src: bytes | memoryview = view
     elif codec == "zstd":
-        src = _decompressor().decompress(data, max_output_size=raw_len)
+        src = _decompressor().decompress(view, max_output_size=raw_len)
     else:
         raise ValueError(f"unknown chunk codec {codec!r}")
     if len(src) != raw_len:

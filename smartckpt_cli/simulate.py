@@ -142,7 +142,11 @@ def _float(value: str, what: str) -> float | None:
 
 
 def parse_trace(text: str, name: str = "trace") -> list[TraceRow]:
-    """Rows of one trace CSV; raises ConfigError naming the file and line of the first problem."""
+    """Rows of one trace CSV; raises ConfigError naming the file and line of the first problem.
+    A last line without its newline is a write torn by a crash (the writer ends every line with
+    one) and is dropped."""
+    if text and not text.endswith("\n") and "\n" in text:
+        text = text[: text.rindex("\n") + 1]
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
     if header is None:
@@ -227,8 +231,9 @@ def read_trace(path: str | Path, *, all_runs: bool = False) -> Trace:
     gap = statistics.median(gaps) if gaps else 1.0
     for rows, _ in runs:
         shift = 0.0 if not out else out[-1].time + gap - rows[0].time
-        step0 = 0 if not out else out[-1].step
-        for r in rows:  # steps replayed after a resume are new work: steps keep increasing
+        # A resumed run replays the steps since its checkpoint: new work, so steps keep rising.
+        step0 = 0 if not out or rows[0].step > out[-1].step else out[-1].step - rows[0].step + 1
+        for r in rows:
             out.append(replace(r, time=r.time + shift, step=r.step + step0))
     if len(out) < 2:
         raise ConfigError(f"the trace files in {folder} have {len(out)} rows; a trace needs at least 2")

@@ -8,11 +8,12 @@ is skipped, and verifying a blob is re-hashing it.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Iterator
 
 from smartckpt_cli.codec import blob_id
 from smartckpt_cli.storage.base import Buffer, Storage
-from smartckpt_cli.storage.local import TMP_MARK
+from smartckpt_cli.storage.local import TMP_MARK, PendingWrite
 
 __all__ = ["BlobStore"]
 
@@ -30,17 +31,18 @@ class BlobStore:
     def has(self, bid: str) -> bool:
         return self.storage.exists(self.rel(bid))
 
-    def put(self, data: Buffer, bid: str | None = None) -> tuple[str, bool]:
-        """Store ``data``; returns (id, written) where written is False when it already existed.
-        The caller makes the directory durable (``sync_dirs``) before committing."""
+    def begin(self, data: Buffer, bid: str | None = None) -> tuple[str, PendingWrite | None]:
+        """Start storing ``data``; returns (id, pending write), or (id, None) when the blob
+        already exists. The caller finishes the pending writes, then makes their directories
+        durable (``sync_dirs``) before committing."""
         bid = bid or blob_id(data)
         if self.has(bid):
-            return bid, False
-        self.storage.write(self.rel(bid), data, sync_dir=False)
-        return bid, True
+            return bid, None
+        return bid, self.storage.begin(self.rel(bid), data)
 
-    def get(self, bid: str) -> bytes:
-        return self.storage.read(self.rel(bid))
+    def get(self, bid: str) -> bytes | mmap.mmap:
+        """The blob's bytes, mapped rather than copied where the backend can."""
+        return self.storage.read_view(self.rel(bid))
 
     def size(self, bid: str) -> int:
         return self.storage.size(self.rel(bid))

@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from smartckpt_cli._faults import fault_point
 from smartckpt_cli.journal import MANIFEST_FORMAT, MANIFEST_VERSION, Journal, encode_manifest, manifest_rel
 from smartckpt_cli.snapshot import Snapshot
 from smartckpt_cli.storage.base import Storage
+from smartckpt_cli.storage.local import PendingWrite
 from smartckpt_cli.store import BlobStore
 
 __all__ = ["CommitInfo", "Persister", "base_meta"]
@@ -79,6 +81,8 @@ class Persister:
         # (raw hash, raw length) -> (blob id, codec, encoded length): identical content is not
         # encoded again, let alone written.
         self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
+        self._begun: set[str] = set()  # blobs this save started writing (not yet named)
+        self._begun_lock = threading.Lock()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -109,18 +113,25 @@ class Persister:
             _Chunk(view, itemsize)
         ]
 
-    def _put(self, chunk: _Chunk) -> tuple[list[Any], int]:
-        """Returns ([blob id, codec, raw len, raw hash, encoded len], bytes newly written)."""
+    def _put(self, chunk: _Chunk) -> tuple[list[Any], PendingWrite | None]:
+        """Returns ([blob id, codec, raw len, raw hash, encoded len], the pending write of a new
+        blob or None when identical content is already stored)."""
         raw_len = len(chunk.view)
         rh = codec.raw_hash(chunk.view)
         hit = self.known.get((rh, raw_len))
-        if hit is not None and self.blobs.has(hit[0]):
-            return [hit[0], hit[1], raw_len, rh, hit[2]], 0
+        if hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
+            return [hit[0], hit[1], raw_len, rh, hit[2]], None
         name, enc = codec.encode_chunk(chunk.view, chunk.itemsize, self.level)
-        bid, written = self.blobs.put(enc)
+        bid = codec.blob_id(enc)
+        with self._begun_lock:  # identical chunks in one save: write the blob once
+            if bid in self._begun:
+                self.known[(rh, raw_len)] = (bid, name, len(enc))
+                return [bid, name, raw_len, rh, len(enc)], None
+            self._begun.add(bid)
+        bid, pending = self.blobs.begin(enc, bid)
         fault_point("blob.stored")
         self.known[(rh, raw_len)] = (bid, name, len(enc))
-        return [bid, name, raw_len, rh, len(enc)], len(enc) if written else 0
+        return [bid, name, raw_len, rh, len(enc)], pending
 
     def persist(self, snap: Snapshot) -> CommitInfo:
         t0 = time.perf_counter()
@@ -133,19 +144,22 @@ class Persister:
             jobs.extend(patch)
             n_patch = 0 if red.patch_index is None else red.patch_index.numel()
             layout.append((len(data), len(patch), n_patch))
-        results = list(self.pool.map(self._put, jobs))
+        self._begun.clear()
+        results = _gather([self.pool.submit(self._put, job) for job in jobs], lambda r: r[1])
+        pending = [p for _, p in results if p is not None]
+        _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
         health = snap.health
         if health == "ok" and not all(
             self.pool.map(_finite, [i.tensor for i in snap.items if i.plan.tier == "L1"])
         ):
             health = "nonfinite-weights"  # committed for inspection, never restored by default
-        new_dirs = {f"blobs/{r[0][0][:2]}" for r in results if r[1]}
+        new_dirs = {f"blobs/{r[0][0][:2]}" for r in results if r[1] is not None}
         self.storage.sync_dirs(new_dirs)
         fault_point("blobs.durable")
 
         entries: dict[str, Any] = {}
         pos = 0
-        bytes_new = sum(r[1] for r in results)
+        bytes_new = sum(r[0][4] for r in results if r[1] is not None)
         bytes_total = sum(r[0][4] for r in results)
         bytes_raw = 0
         for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(snap.items, reduced, layout, strict=True):
@@ -200,6 +214,22 @@ class Persister:
         return CommitInfo(
             snap.step, cid, rel, bytes_new, bytes_total, bytes_raw, time.perf_counter() - t0, health
         )
+
+
+def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | None = None) -> list[Any]:
+    """All results, or — when any task failed — abort every pending write (no temporary file or
+    open descriptor outlives a failed save) and raise the first error."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as err:
+            error = error or err
+    if error is not None:
+        for p in (cleanup or []) + [pending_of(r) for r in results if pending_of(r) is not None]:
+            p.abort()
+        raise error
+    return results
 
 
 def _finite(t: torch.Tensor) -> bool:

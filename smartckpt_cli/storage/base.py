@@ -2,18 +2,19 @@
 
 Order of calls for one checkpoint (made by the writer thread of the one writing process):
 
-1. ``write(rel, data, sync_dir=False)`` for each new blob (content is fsynced before the rename);
+1. ``begin(rel, data)`` for each new blob, then ``finish()`` on each returned pending write
+   (fsync of the content, then the rename to its final name);
 2. ``sync_dirs(dirs)`` once for the blob directories touched, so the renames are durable;
 3. ``write(manifest_rel, data)`` (fsync, rename, fsync of the directory);
 4. the journal appends its commit line through ``append``.
 
-Readers (restore, verify, the CLI) only call ``read``, ``exists``, ``list`` and ``size``.
+Readers (restore, verify, the CLI) only call ``read``, ``read_view``, ``exists``, ``list`` and ``size``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Buffer", "Storage"]
 
@@ -24,6 +25,13 @@ Buffer = bytes | bytearray | memoryview
 class Storage(Protocol):
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
         """Write ``rel`` atomically: a reader sees either nothing or the whole, durable content."""
+
+    def begin(self, rel: str, data: Buffer | Sequence[Buffer]) -> Any:
+        """Write to a temporary name and start the write-back; returns an object whose
+        ``finish()`` makes it durable and renames it (see LocalStorage.begin)."""
+
+    def read_view(self, rel: str) -> Any:
+        """The bytes of ``rel`` as a buffer, mapped instead of copied where possible."""
 
     def sync_dirs(self, dirs: Iterable[str]) -> None:
         """Make earlier renames into these directories durable."""
