@@ -153,8 +153,6 @@ class Persister:
             self.pool.map(_finite, [i.tensor for i in snap.items if i.plan.tier == "L1"])
         ):
             health = "nonfinite-weights"  # committed for inspection, never restored by default
-        new_dirs = {f"blobs/{r[0][0][:2]}" for r in results if r[1] is not None}
-        self.storage.sync_dirs(new_dirs)
         fault_point("blobs.durable")
 
         entries: dict[str, Any] = {}

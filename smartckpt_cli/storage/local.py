@@ -73,9 +73,9 @@ class LocalStorage:
         return PendingWrite(fd, tmp, final, "blob" if rel.startswith("blobs/") else "manifest")
 
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
-        self.begin(rel, data).finish()
-        if sync_dir:
-            _fsync_dir(self.path(rel).parent)
+        pending = self.begin(rel, data)
+        pending.sync_dir = sync_dir
+        pending.finish()
 
     def read_view(self, rel: str) -> mmap.mmap | bytes:
         """The file's bytes without copying them into the process (a read-only mapping)."""
@@ -126,12 +126,15 @@ class LocalStorage:
 class PendingWrite:
     """A temporary file written but not yet durable nor named (see ``LocalStorage.begin``)."""
 
-    def __init__(self, fd: int, tmp: Path, final: Path, kind: str) -> None:
+    def __init__(self, fd: int, tmp: Path, final: Path, kind: str, sync_dir: bool = True) -> None:
         self.fd, self.tmp, self.final, self.kind = fd, tmp, final, kind
+        self.sync_dir = sync_dir
 
     def finish(self) -> None:
-        """fsync, then rename to the final name: a file never has its final name before its
-        content is durable (dedup trusts that a blob which exists is whole)."""
+        """fsync, rename to the final name, fsync the directory: a file never has its final name
+        before its content is durable (dedup trusts that a blob which exists is whole), and the
+        name is durable when this returns. Many finishes run at once and share the filesystem's
+        journal commits."""
         try:
             os.fsync(self.fd)
         except BaseException:
@@ -142,6 +145,8 @@ class PendingWrite:
         fault_point(f"{self.kind}.written")
         os.replace(self.tmp, self.final)
         fault_point(f"{self.kind}.renamed")
+        if self.sync_dir:
+            _fsync_dir(self.final.parent)
 
     def abort(self) -> None:
         if self.fd >= 0:
