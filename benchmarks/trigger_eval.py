@@ -20,9 +20,9 @@ a save costs the loop ``--save-cost`` × s, commits ``--save-total`` × s after 
 policies' floor and budget are ``--min-interval`` × s and ``--max-interval`` × s, and the MTBF
 is ``--mtbf`` × s.
 
-Spike runs also report the *clean* distance: from the first perturbed optimizer step back to
-the newest retained checkpoint taken before it (its weights were never touched by the
-perturbation). A checkpoint between the perturbation and the loss onset counts as "before the
+Spike runs also report the *clean* distance: from the last unperturbed state (trace step s for
+a perturbation of loop step s) back to the newest retained checkpoint of a step <= s (its
+weights were never touched by the perturbation), judged when the loss event ends. A checkpoint between the perturbation and the loss onset counts as "before the
 onset" for the issue's metric, but it already holds perturbed weights; the clean distance says
 whether a policy kept a state that is actually good.
 
@@ -102,11 +102,8 @@ def clean_distances(res: SimResult, trace_rows: Any, spikes: list[int], keep_las
             # the event this perturbation caused: the first detected onset after it
             ev = next((o for o in res.onsets if o.step > s), None)
             end_i = ev.end_index if ev is not None else len(steps) - 1
-            i = (
-                steps.index(s + 1)
-                if s + 1 in steps
-                else min(range(len(steps)), key=lambda k: abs(steps[k] - s))
-            )
+            # the last clean state is row s (after optimizer steps 0..s-1): the ideal checkpoint
+            i = min(range(len(steps)), key=lambda k: (abs(steps[k] - s), steps[k]))
             row = trace_rows[i]
             fake = Onset(i, s + 1, row.time, end_i, steps[end_i], trace_rows[end_i].time)
             ck = retained_before(list(p.saves), fake, keep_last)

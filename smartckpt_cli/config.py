@@ -34,6 +34,7 @@ class Settings:
     compression_level: int = 1  # zstd level; -1 stores raw
     chunk_mb: int = 16
     workers: int = 0  # encoder threads; 0 = min(8, 2 x CPUs)
+    background_nice: int = 10  # CPU priority of the background threads (Linux nice, 0 = off)
     on_l2_corrupt: str = "fallback"  # fallback | reset
     policy: str = "adaptive"  # adaptive | seed | fixed (see trigger.py)
     every_steps: int | None = None  # a fixed schedule; overrides the policy

@@ -50,7 +50,7 @@ from smartckpt_cli.storage.local import file_lock
 from smartckpt_cli.store_dir import StoreDir, open_store
 from smartckpt_cli.tracefile import TraceWriter
 from smartckpt_cli.trigger import Decision, Policy, TriggerContext, make_policy
-from smartckpt_cli.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.writer import CommitInfo, Persister, base_meta, lower_priority
 
 __all__ = ["CheckpointManager", "SaveHandle", "StepResult"]
 
@@ -180,8 +180,14 @@ class CheckpointManager:
             level=s.compression_level,
             chunk_bytes=s.chunk_mb << 20,
             workers=s.n_workers,
+            nice=s.background_nice,
         )
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smartckpt-save")
+        self._saver = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="smartckpt-save",
+            initializer=lower_priority,
+            initargs=(s.background_nice,),
+        )
         self._inflight: SaveHandle | None = None
         self._meta = base_meta()
         self._stats = _Stats()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from smartckpt_cli import codec
@@ -74,10 +75,16 @@ class Persister:
         level: int,
         chunk_bytes: int,
         workers: int,
+        nice: int = 10,
     ) -> None:
         self.storage, self.blobs, self.journal, self.store_id = storage, blobs, journal, store_id
         self.level, self.chunk_bytes = level, chunk_bytes
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="smartckpt-enc")
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(1, workers),
+            thread_name_prefix="smartckpt-enc",
+            initializer=lower_priority,
+            initargs=(nice,),
+        )
         # (raw hash, raw length) -> (blob id, codec, encoded length): identical content is not
         # encoded again, let alone written.
         self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
@@ -230,8 +237,27 @@ def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | N
     return results
 
 
+def lower_priority(nice: int) -> None:
+    """Run the calling (background) thread at a lower CPU priority, so that encoding uses the
+    cycles training leaves idle instead of preempting it. On a CPU-only machine this matters
+    twice: a preempted thread of torch's OpenMP team stalls the whole team at its next barrier.
+    Linux applies setpriority to a thread id; elsewhere this is a no-op."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        pass
+
+
 def _finite(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+    if not t.is_floating_point():
+        return True
+    if t.dtype in (torch.float32, torch.float64, torch.float16):
+        # numpy, single-threaded: a torch op here would start an OpenMP team of its own and
+        # compete with the training's.
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
 
 
 def _utc_now() -> str:
