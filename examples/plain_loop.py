@@ -28,7 +28,9 @@ def main() -> None:
     data = TensorDataset(torch.randn(1024, 20), torch.randint(0, 4, (1024,)))
     # A seeded generator makes the shuffling replayable, so a resume continues at the exact batch.
     loader = DataLoader(data, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
-    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 4)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
 
