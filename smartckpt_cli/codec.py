@@ -187,7 +187,8 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
             # match finder spends its time looking for matches that are not there: on the
             # exponent plane of fp32 weights, level 1 runs at 0.16 GB/s for a 0.360 ratio. A tiny
             # hash table and the longest minimum match leave it to the entropy coder: 0.70 GB/s,
-            # 0.324 ratio, and decoding 1.4 vs 0.6 GB/s (measured on this machine, see README).
+            # 0.324 ratio, and decoding 1.4 vs 0.6 GB/s (16 MiB exponent plane of a 4096x4096 fp32
+            # Linear, on the 2-core development machine: python benchmarks/codec_params.py).
             params = zstandard.ZstdCompressionParameters.from_level(level, min_match=7, hash_log=6)
             cache[level] = zstandard.ZstdCompressor(compression_params=params)
         else:
