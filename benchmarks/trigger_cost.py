@@ -16,7 +16,7 @@ Two figures, both as a share of the plain step time:
 * direct: the time spent inside the manager's code itself, measured around ``mgr.step`` and
   around its optimizer pre-hook, summed per block; median over blocks.
 
-    python benchmarks/trigger_cost.py [--params 1e8] [--blocks 12] [--block 20] [--eval-every 10]
+    python benchmarks/trigger_cost.py [--params 1e8] [--blocks 8] [--block 20] [--eval-every 10]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--params", type=float, default=1e8)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=12, help="pairs of blocks (with, without)")
+    ap.add_argument("--blocks", type=int, default=8, help="pairs of blocks (with, without)")
     ap.add_argument("--block", type=int, default=20, help="steps per block (a multiple of eval_every)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)

@@ -22,11 +22,12 @@ is ``--mtbf`` × s.
 
 Spike runs also report the *clean* distance: from the last unperturbed state (trace step s for
 a perturbation of loop step s) back to the newest retained checkpoint of a step <= s (its
-weights were never touched by the perturbation), judged when the loss event ends. A checkpoint between the perturbation and the loss onset counts as "before the
-onset" for the issue's metric, but it already holds perturbed weights; the clean distance says
-whether a policy kept a state that is actually good.
+weights were never touched by the perturbation), judged when the loss event ends. A checkpoint
+between the perturbation and the detected loss onset counts as "before the onset" for the
+issue's metric, but it already holds perturbed weights; the clean distance says whether a
+policy kept a state that is actually good.
 
-    python benchmarks/trigger_eval.py [--steps 400] [--layers 2] [--workdir /tmp/te] [--json out.json]
+    python benchmarks/trigger_eval.py [--steps 500] [--layers 2] [--workdir /tmp/te] [--json out.json]
     python benchmarks/trigger_eval.py --reuse /tmp/te    # simulate the traces of an earlier run
 """
 
@@ -65,13 +66,14 @@ def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[
                 g["lr"] = args.lr * warm * (args.spike_factor if i in perturbed else 1.0)
             loss = C.pair_loss(model, data.batch(i, args.seed, args.batch))
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             # The trace row of step i+1 holds the state after optimizer step i: perturbed from
             # row min(perturbed)+1 on; its loss and gradients are those of the weights before.
             mgr.step(i + 1, loss=loss.detach())
-            losses.append(float(loss))
+            losses.append(loss.item())
             if (i + 1) % 50 == 0:
                 rate = (time.perf_counter() - t0) / (i + 1)
                 print(f"  {store.name}: step {i + 1} loss {losses[-1]:.4f} ({rate:.2f} s/step)", flush=True)
@@ -92,23 +94,27 @@ def sim_config(args: argparse.Namespace, step_s: float, checkpoints: int | None)
 
 
 def clean_distances(res: SimResult, trace_rows: Any, spikes: list[int], keep_last: int) -> dict[str, Any]:
-    """Per policy: for each perturbation, the newest retained checkpoint whose weights predate
-    it (trace step <= first perturbed loop index), judged when the loss event it caused ends."""
+    """Per policy: for each perturbation that caused a detected onset (within 20 steps), the
+    newest retained checkpoint whose weights predate it (trace step <= the perturbed loop step),
+    judged when the rollback is decided, and its distance from the last unperturbed state."""
     steps = [r.step for r in trace_rows]
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"detected": []}
+    events = []
+    for s in spikes:
+        ev = next((o for o in res.onsets if s < o.step <= s + 20), None)
+        if ev is None:
+            continue
+        i = min(range(len(steps)), key=lambda k: (abs(steps[k] - s), steps[k]))  # row s: last clean
+        if res.config.rollback == "onset":  # decided at the detected onset
+            ev = Onset(ev.index, ev.step, ev.time, ev.index, ev.step, ev.time)
+        events.append((i, Onset(i, s + 1, trace_rows[i].time, ev.end_index, ev.end_step, ev.end_time)))
+        out["detected"].append(s)
     for p in res.policies:
         dists, ckpts = [], []
-        for s in spikes:
-            # the event this perturbation caused: the first detected onset after it
-            ev = next((o for o in res.onsets if o.step > s), None)
-            end_i = ev.end_index if ev is not None else len(steps) - 1
-            # the last clean state is row s (after optimizer steps 0..s-1): the ideal checkpoint
-            i = min(range(len(steps)), key=lambda k: (abs(steps[k] - s), steps[k]))
-            row = trace_rows[i]
-            fake = Onset(i, s + 1, row.time, end_i, steps[end_i], trace_rows[end_i].time)
+        for i, fake in events:
             ck = retained_before(list(p.saves), fake, keep_last)
             t = ck.time if ck is not None else trace_rows[0].time
-            dists.append(row.time - t)
+            dists.append(trace_rows[i].time - t)
             ckpts.append(ck.step if ck is not None else None)
         out[p.name] = {"checkpoints": ckpts, "distances": dists}
     return out
@@ -149,7 +155,8 @@ def report(name: str, res: SimResult, step_s: float, clean: dict[str, Any] | Non
         ]
         if clean is not None:
             c = clean[p.name]
-            row += [statistics.fmean(c["distances"]), max(c["distances"]), c["checkpoints"]]
+            d = c["distances"]
+            row += [statistics.fmean(d) if d else "-", max(d) if d else "-", c["checkpoints"]]
         rows.append(row)
     print(C.table(head, rows))
     for p in res.policies:
@@ -167,12 +174,13 @@ def report(name: str, res: SimResult, step_s: float, clean: dict[str, Any] | Non
             f"{name}: fixed/adaptive mean onset distance = {fixed.mean_distance / adaptive.mean_distance:.2f}x "
             f"(target >= 2), max {fixed.max_distance / max(adaptive.max_distance or 1e-9, 1e-9):.2f}x"
         )
-    if clean is not None:
-        ca, cf = (
-            statistics.fmean(clean["adaptive"]["distances"]),
-            statistics.fmean(clean["fixed"]["distances"]),
+    if clean is not None and clean["detected"]:
+        ca = statistics.fmean(clean["adaptive"]["distances"])
+        cf = statistics.fmean(clean["fixed"]["distances"])
+        lines.append(
+            f"{name}: fixed/adaptive mean clean distance = {cf / max(ca, 1e-9):.2f}x "
+            f"(perturbations with a detected onset: {clean['detected']})"
         )
-        lines.append(f"{name}: fixed/adaptive mean clean distance = {cf / ca:.2f}x")
     for ln in lines:
         print("  " + ln)
     return lines
@@ -180,7 +188,7 @@ def report(name: str, res: SimResult, step_s: float, clean: dict[str, Any] | Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--layers", type=int, default=2, help="transformer layers of MiniLM kept")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=24, help="max tokens per sentence")
@@ -189,9 +197,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=1)
-    ap.add_argument("--spikes", default="130,230,330", help="loop steps where the lr is multiplied")
-    ap.add_argument("--spike-factor", type=float, default=30.0)
-    ap.add_argument("--spike-len", type=int, default=2, help="optimizer steps per perturbation")
+    ap.add_argument(
+        "--clip",
+        type=float,
+        default=0.0,
+        help="clip the gradient norm to this before the optimizer step (0: no clipping; note: "
+        "smartckpt reads the gradients in the optimizer pre-hook, after clipping)",
+    )
+    ap.add_argument("--spikes", default="150,275,400", help="loop steps where the lr is multiplied")
+    ap.add_argument("--spike-factor", type=float, default=400.0)
+    ap.add_argument("--spike-len", type=int, default=1, help="optimizer steps per perturbation")
     ap.add_argument("--mtbf", type=float, default=300.0, help="x step time")
     ap.add_argument("--save-cost", type=float, default=0.25, help="x step time")
     ap.add_argument("--save-total", type=float, default=2.0, help="x step time")
@@ -227,12 +242,19 @@ def main() -> None:
         results[name] = {**res.to_json(), "step_s": step_s, "clean": clean}
         results[name]["verdict"] = report(name, res, step_s, clean)
         if name == "spikes":
-            # The same spike trace at a fixed, round number of checkpoints, for a second view.
-            n_more = max(3, res.target * 2)
-            res2 = simulate(trace, replace(sim_config(args, step_s, n_more)))
-            clean2 = clean_distances(res2, trace.rows, spikes, args.keep_last)
-            results[f"{name}_x2"] = {**res2.to_json(), "clean": clean2}
-            results[f"{name}_x2"]["verdict"] = report(f"{name} @ {n_more} ckpts", res2, step_s, clean2)
+            # Two more views of the spike trace: the rollback decided at the onset instead of
+            # the event's end, and twice as many checkpoints.
+            views = {
+                "spikes, rollback at onset": replace(
+                    sim_config(args, step_s, args.checkpoints), rollback="onset"
+                ),
+                f"spikes @ {2 * res.target} ckpts": sim_config(args, step_s, 2 * res.target),
+            }
+            for label, cfg in views.items():
+                res2 = simulate(trace, cfg)
+                clean2 = clean_distances(res2, trace.rows, spikes, args.keep_last)
+                results[label] = {**res2.to_json(), "clean": clean2}
+                results[label]["verdict"] = report(label, res2, step_s, clean2)
     C.write_json(args.json, results)
 
 

@@ -38,15 +38,23 @@ expected, each losing that mean.
 
 **Divergence events.** Onsets are the ``onset`` column, or steps given explicitly, or detected:
 the trace's loss is median-filtered again over ``spike_window`` rows (f); the first row where
-f exceeds the median of the previous ``spike_baseline`` non-event rows by ``spike_k`` × their
-MAD (median absolute deviation, unscaled) starts an event; it ends at the first row where f is
-back at or below that threshold (or at the end of the trace). The rollback is decided at the
-event's end: retention is replayed on every commit up to then (``select_prunable`` with
-``keep_last`` and the calm flag, so the newest calm checkpoint is never evicted), and the newest
-retained healthy checkpoint taken strictly before the onset (by step) is where the run goes
-back to. Per onset: its distance to the onset (seconds), and the work lost by rolling back to it
-(the event's end minus its snapshot time). Without any retained checkpoint before the onset, the
-run restarts from the beginning (counted as ``missed``, distances measured from the start).
+f exceeds a robust baseline by ``spike_k`` × MAD starts an event. The baseline is the median of
+the last ``spike_baseline`` non-event rows; the MAD (median absolute deviation, unscaled) is
+that of the last ``spike_noise`` residuals of non-event rows against the baseline before them,
+so a falling loss moves the baseline without inflating the MAD, and a calm stretch of a few
+rows cannot shrink it (both failure modes showed on real traces: a MAD of the levels
+themselves missed real spikes after a trend and fired on noise after a calm stretch). The event
+ends at the first row where f is back at or below that threshold (or at the trace's end).
+
+The rollback is decided at the event's end (``rollback="end"``: someone noticed the spike once it
+was over, the most retention can have evicted by then) or at the onset itself (``"onset"``: an
+automatic monitor acted at once). Retention is replayed on every commit up to that moment
+(``select_prunable`` with ``keep_last`` and the calm flag, so the newest calm checkpoint is
+never evicted), and the newest retained healthy checkpoint taken strictly before the onset (by
+step) is where the run goes back to. Per onset: its distance to the onset (seconds), and the
+work lost by rolling back to it (from its snapshot to the decision). Without any retained
+checkpoint before the onset, the run restarts from the beginning (counted as ``missed``,
+distances measured from the start).
 """
 
 from __future__ import annotations
@@ -254,8 +262,10 @@ class SimConfig:
     checkpoints: int | None = None  # calibrate every policy to this many saves
     spike_k: float = 6.0
     spike_window: int = 3
-    spike_baseline: int = 50
+    spike_baseline: int = 20
+    spike_noise: int = 200
     onsets: tuple[int, ...] | None = None  # steps; overrides the onset column and detection
+    rollback: str = "end"  # when the rollback is decided: at the event's "end" or its "onset"
 
     def check(self) -> None:
         if self.mtbf <= 0:
@@ -266,10 +276,14 @@ class SimConfig:
             raise ConfigError("need 0 <= min_interval <= max_interval and max_interval > 0")
         if self.keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
+        if self.rollback not in ("end", "onset"):
+            raise ConfigError(f"rollback must be 'end' or 'onset', not {self.rollback!r}")
         if self.checkpoints is not None and self.checkpoints < 1:
             raise ConfigError("checkpoints must be at least 1")
-        if self.spike_k <= 0 or self.spike_window < 1 or self.spike_baseline < 3:
-            raise ConfigError("spike_k must be positive, spike_window >= 1, spike_baseline >= 3")
+        if self.spike_k <= 0 or self.spike_window < 1 or self.spike_baseline < 5 or self.spike_noise < 5:
+            raise ConfigError(
+                "spike_k must be positive, spike_window >= 1, spike_baseline and spike_noise >= 5"
+            )
 
 
 @dataclass(frozen=True)
@@ -360,10 +374,27 @@ def _filtered(rows: Sequence[TraceRow], window: int) -> list[float | None]:
     return out
 
 
-def _threshold(history: Sequence[float], k: float) -> float:
-    base = statistics.median(history)
-    mad = statistics.median(abs(h - base) for h in history)
-    return base + k * max(mad, 1e-9 * max(abs(base), 1e-12))
+class _Baseline:
+    """The robust baseline of the non-event rows: the level is the median of the last ``level``
+    of them; the noise is the MAD of the last ``noise`` residuals (each row minus the level just
+    before it), so a trend (a falling loss) moves the level instead of inflating the MAD."""
+
+    def __init__(self, level: int, noise: int) -> None:
+        self.recent: deque[float] = deque(maxlen=level)
+        self.resid: deque[float] = deque(maxlen=noise)
+
+    def threshold(self, k: float, min_resid: int) -> float:
+        if len(self.recent) < 5 or len(self.resid) < min_resid:
+            return math.inf
+        level = statistics.median(self.recent)
+        center = statistics.median(self.resid)
+        mad = statistics.median(abs(r - center) for r in self.resid)
+        return level + k * max(mad, 1e-9 * max(abs(level), 1e-12))
+
+    def add(self, f: float) -> None:
+        if len(self.recent) >= 5:
+            self.resid.append(f - statistics.median(self.recent))
+        self.recent.append(f)
 
 
 def detect_onsets(
@@ -371,7 +402,8 @@ def detect_onsets(
     *,
     k: float = 6.0,
     window: int = 3,
-    baseline: int = 50,
+    baseline: int = 20,
+    noise: int = 200,
     given: Sequence[int] | None = None,
 ) -> list[Onset]:
     """Divergence events: detected (see module docstring) or, with ``given`` steps or an
@@ -382,8 +414,8 @@ def detect_onsets(
         forced = {next((i for i, r in enumerate(rows) if r.step >= s), -1) for s in given} - {-1}
     elif any(r.onset for r in rows):
         forced = {i for i, r in enumerate(rows) if r.onset}
-    history: deque[float] = deque(maxlen=baseline)
-    min_history = min(baseline, 10)
+    base = _Baseline(baseline, noise)
+    min_resid = min(noise, 30)
     out: list[Onset] = []
     open_at: int | None = None
     thr = math.inf
@@ -395,16 +427,15 @@ def detect_onsets(
                 open_at = None
             if not is_forced:
                 continue  # rows of an event never enter the baseline
-        ready = len(history) >= min_history
-        thr_i = _threshold(history, k) if ready else math.inf
+        thr_i = base.threshold(k, min_resid)
         if is_forced or (forced is None and fi is not None and fi > thr_i):
             if fi is None or fi <= thr_i:  # a given onset the loss does not show: ends at once
                 out.append(_onset(rows, i, i))
             else:
                 open_at, thr = i, thr_i
             continue
-        if fi is not None:
-            history.append(fi)
+        if fi is not None and math.isfinite(fi):
+            base.add(fi)
     if open_at is not None:
         out.append(_onset(rows, open_at, len(rows) - 1))
     return out
@@ -669,13 +700,20 @@ def simulate(trace: Trace, cfg: SimConfig | None = None) -> SimResult:
         chosen[name] = (run, True, exact)
 
     onsets = detect_onsets(
-        rows, k=cfg.spike_k, window=cfg.spike_window, baseline=cfg.spike_baseline, given=cfg.onsets
+        rows,
+        k=cfg.spike_k,
+        window=cfg.spike_window,
+        baseline=cfg.spike_baseline,
+        noise=cfg.spike_noise,
+        given=cfg.onsets,
     )
     results = []
     for name in POLICIES:
         run, calibrated, exact = chosen[name]
         per = []
         for o in onsets:
+            if cfg.rollback == "onset":
+                o = replace(o, end_index=o.index, end_step=o.step, end_time=o.time)
             ck = retained_before(run.saves, o, cfg.keep_last)
             t = ck.time if ck is not None else start
             per.append(OnsetResult(o.step, ck.step if ck else None, o.time - t, o.end_time - t))

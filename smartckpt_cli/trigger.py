@@ -12,7 +12,8 @@ Policies, selectable by name (``policy:`` setting):
 
 * ``fixed``  – every ``every_steps`` steps or ``every_seconds`` seconds (``--every``).
 * ``seed``   – the seed's score (:func:`seed_score`), save when it reaches ``threshold``.
-* ``adaptive`` (default) – :class:`AdaptivePolicy`: a cost-aware interval moved by the risk.
+* ``adaptive`` (default) – :class:`AdaptivePolicy`: a cost-aware interval on a clock the risk
+  speeds up, and an immediate save at a gradient-variance precursor.
 """
 
 from __future__ import annotations
@@ -111,74 +112,160 @@ class SeedPolicy:
         return Decision(score >= self.threshold, "seed score", score, calm=score < self.threshold)
 
 
+def _robust_z(x: float, history: deque[float], floor: float) -> float:
+    """|x − median| / (1.4826 · MAD) of ``history`` (the MAD scaled to a normal σ), with the
+    scale floored at ``floor`` so a constant history does not make every wiggle infinite."""
+    med = statistics.median(history)
+    mad = statistics.median(abs(h - med) for h in history)
+    return abs(x - med) / max(1.4826 * mad, floor)
+
+
 @dataclass
 class AdaptivePolicy:
-    """smartckpt's default: a cost-aware interval, moved earlier or later by the risk.
+    """smartckpt's default: the Young/Daly interval, run on a clock that speeds up with the risk,
+    and an immediate save when the gradient variance breaks from its own history.
 
     **Interval.** The base interval is Young/Daly's T = sqrt(2·C·MTBF), with C what a checkpoint
     costs the training: the loop's measured wait per save plus ``background_share`` of the
     save's total time (the background encoding competes with training for CPU cores; on a GPU
     machine it hardly does). This is the seed's feedback loop made explicit: a larger or slower
     checkpoint raises C, so T grows and saves become rarer; a cheap one lets them come closer.
-    Before any save has been measured, C is unknown and T is ``max_interval`` / 2.
+    Before any save has been measured, C is unknown and T is ``max_interval`` / 2. Machine
+    failures do not care how calm the loss is, so calm training saves every T, the optimum for
+    the configured MTBF.
 
-    **Risk.** Each signal is judged against its own recent history (the last ``history``
-    evaluations), so no absolute threshold depends on the model's loss scale:
+    **Signals.** Each is judged against its own last ``history`` evaluations by a robust
+    z-score, |x − median| / (1.4826 · MAD), so no threshold depends on the model's loss or
+    gradient scale and the natural noise of each signal sets its own yardstick:
 
-    * gradient variance: r_v = log2(var / median of recent var). Rising gradient variance is the
-      usual precursor of a loss spike (it grows before the loss does), so *high* variance raises
-      the risk — the opposite of the seed's formula, which scores low variance as risky.
-    * loss curvature (median-filtered second difference): r_c = |curv| / (3 · median |curv|), a
-      robust z-score; sharp bends of the filtered loss mean the run is changing regime.
+    * gradient variance, on a log scale, *two-sided*: a surge (the usual precursor of a loss
+      spike, which grows before the loss does; the seed scored *low* variance as risky) and a
+      collapse (the gradients of a run that has just diverged into a flat region) both count.
+      It is the one signal that triggers an immediate save: on real fine-tuning traces its
+      z-score stays below 5 in calm training and passes 6 right after an instability.
+    * loss curvature (second difference of the median-filtered loss): a sharp bend means the
+      run is changing regime. It only moves the interval, never forces a save: on the same
+      traces the curvature of a median-filtered per-batch loss is heavy-tailed (z > 6 several
+      times in a calm run), so an alarm on it would spend checkpoints on noise.
 
-    risk = sigmoid(2·(max(r_v, r_c − 1) − 0.5)) ∈ (0, 1). The next save is due after
-    T · 2^(1 − 2·risk): calm training (risk → 0) waits up to 2T, risky training (risk → 1) saves
-    after T/2. When the risk passes ``alarm`` (a precursor), it saves at once (still subject to
-    ``min_interval``), so a known-good state exists right before a spike; saves taken while the
-    risk is high are marked not calm, and retention keeps the newest calm one.
+    **Risk and clock.** risk = sigmoid(2·(z − 4)) with z the larger of the two z-scores: ~0 in
+    calm training, 0.5 at z = 4. Time since the newest checkpoint is counted on a clock that
+    runs sqrt(1 + (``hazard`` − 1)·risk) times faster than the wall clock — Young/Daly's
+    interval for a failure rate ``hazard`` times higher at full risk; the default 4 halves the
+    interval — and a save is due when that clock reaches T. Integrating the rate, rather than
+    comparing the elapsed time with an interval recomputed from the latest reading, keeps one
+    noisy reading from pulling a save forward: saves stay evenly spaced while the risk merely
+    fluctuates, which is what keeps the expected lost work of random failures at the fixed
+    schedule's.
+
+    **Alarm.** When the variance's z-score reaches ``alarm_z`` it saves at once (still subject to
+    ``min_interval``) and repeats the request until a save happens, so a state exists right at
+    the precursor; it re-arms once the z-score is back below ``alarm_z`` / 2, so a sustained
+    anomaly costs one checkpoint, not one per evaluation.
+
+    **Calm.** A save is calm (a known-good candidate that retention never evicts while it is
+    the newest calm one) when the risk is below 0.5 and the filtered loss itself is not in an
+    upward excursion: a loss at least 4 robust z above the median of its last ``history``
+    non-excursion evaluations starts one, which lasts until the loss is back within 2 z of
+    that frozen median (or, after 4 × ``history`` evaluations, the new level is accepted). The
+    loss level is no precursor — it rises with the spike — so it neither moves the clock nor
+    alarms; but saves taken during a spike hold damaged weights, and a spike can outlast
+    ``keep_last`` saves: marking them not calm is what keeps the last state from before it.
     """
 
     mtbf: float = 6 * 3600.0
     background_share: float = 0.1
-    alarm: float = 0.9
-    history: int = 20
+    alarm_z: float = 6.0
+    hazard: float = 4.0
+    history: int = 50
     max_interval: float = 180.0
-    _vars: deque[float] = field(default_factory=lambda: deque(maxlen=20), repr=False)
-    _curvs: deque[float] = field(default_factory=lambda: deque(maxlen=20), repr=False)
-    _risk: float = 0.5
+    _vars: deque[float] = field(init=False, repr=False)
+    _curvs: deque[float] = field(init=False, repr=False)
+    _risk: float = field(default=0.0, init=False)
+    _z_var: float = field(default=0.0, init=False, repr=False)
+    _anchor: float | None = field(default=None, init=False, repr=False)  # newest save seen
+    _clock: float = field(default=0.0, init=False, repr=False)  # risk-weighted seconds since it
+    _seen: float = field(default=0.0, init=False, repr=False)  # ctx.now of the previous call
+    _armed: bool = field(default=True, init=False, repr=False)
+    _alarm: bool = field(default=False, init=False, repr=False)
+    _losses: deque[float] = field(init=False, repr=False)
+    _surge: tuple[float, float, int] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._vars = deque(maxlen=self.history)
+        self._curvs = deque(maxlen=self.history)
+        self._losses = deque(maxlen=self.history)
+
+    @property
+    def in_surge(self) -> bool:
+        """Whether the filtered loss is in an upward excursion (see the class docstring)."""
+        return self._surge is not None
+
+    def _track_loss(self, loss: float) -> None:
+        x = loss if math.isfinite(loss) else math.inf
+        if self._surge is not None:
+            med, scale, n = self._surge
+            # Over when the loss is back near its old level, or after 4 × history evaluations
+            # (then the new level is accepted as the run's own).
+            self._surge = None if x - med < 2.0 * scale or n >= 4 * self.history else (med, scale, n + 1)
+            if self._surge is None and x - med >= 2.0 * scale:
+                self._losses.clear()
+        elif len(self._losses) >= 5:
+            med = statistics.median(self._losses)
+            mad = statistics.median(abs(h - med) for h in self._losses)
+            scale = max(1.4826 * mad, 0.01 * abs(med), 1e-12)
+            if (x - med) / scale >= 4.0:
+                self._surge = (med, scale, 1)
+        if self._surge is None and math.isfinite(x):
+            self._losses.append(x)
 
     def risk(self, reading: SignalReading) -> float:
-        parts: list[float] = []
-        if reading.grad_var is not None and reading.grad_var > 0:
-            if len(self._vars) >= 3:
-                base = statistics.median(self._vars)
-                if base > 0:
-                    parts.append(math.log2(reading.grad_var / base))
-            self._vars.append(reading.grad_var)
+        """Judge one evaluation (and add it to the history); returns the risk in [0, 1)."""
+        z_var = z_curv = 0.0
+        if reading.grad_var is not None and reading.grad_var > 0 and math.isfinite(reading.grad_var):
+            log_var = math.log2(reading.grad_var)
+            if len(self._vars) >= 5:
+                z_var = _robust_z(log_var, self._vars, 0.1)
+            self._vars.append(log_var)
         if reading.curvature is not None and math.isfinite(reading.curvature):
-            if len(self._curvs) >= 3:
-                scale = statistics.median(self._curvs)
-                if scale > 0:
-                    parts.append(abs(reading.curvature) / (3.0 * scale) - 1.0)
-            self._curvs.append(abs(reading.curvature))
-        if not parts:
-            return 0.5
-        return _sigmoid(2.0 * (max(parts) - 0.5))
+            if len(self._curvs) >= 5:
+                loss = reading.loss if reading.loss is not None and math.isfinite(reading.loss) else 0.0
+                z_curv = _robust_z(reading.curvature, self._curvs, max(0.01 * abs(loss), 1e-12))
+            self._curvs.append(reading.curvature)
+        self._z_var = z_var
+        if reading.loss is not None:
+            self._track_loss(reading.loss)
+        return _sigmoid(2.0 * (max(z_var, z_curv) - 4.0))
 
     def interval(self, ctx: TriggerContext) -> float:
+        """Young/Daly's T for the measured save cost (risk-free: the clock carries the risk)."""
         cost = ctx.save_cost + self.background_share * ctx.save_total
-        base = young_daly(cost, ctx.mtbf or self.mtbf) if cost > 0 else self.max_interval / 2
-        return base * 2.0 ** (1.0 - 2.0 * self._risk)
+        return young_daly(cost, ctx.mtbf or self.mtbf) if cost > 0 else self.max_interval / 2
+
+    def rate(self) -> float:
+        """How fast the clock runs at the current risk."""
+        return math.sqrt(1.0 + (self.hazard - 1.0) * self._risk)
 
     def should_save(self, ctx: TriggerContext) -> Decision:
+        if ctx.last_save_time != self._anchor:  # a save happened (ours, the budget's, a manual one)
+            self._anchor = ctx.last_save_time
+            self._clock = max(0.0, ctx.now - ctx.last_save_time)
+            self._alarm = False
+        else:
+            self._clock += max(0.0, ctx.now - self._seen) * self.rate()
+        self._seen = ctx.now
         if ctx.reading is not None:
             self._risk = self.risk(ctx.reading)
+            if self._z_var >= self.alarm_z and self._armed:
+                self._alarm, self._armed = True, False
+            elif self._z_var < self.alarm_z / 2:
+                self._armed = True
         risk = self._risk
-        calm = risk < 0.5
-        if ctx.reading is not None and risk >= self.alarm:
+        calm = risk < 0.5 and self._surge is None
+        if self._alarm:
             return Decision(True, "risk alarm", risk, calm=False)
         due = self.interval(ctx)
-        if ctx.now - ctx.last_save_time >= due:
+        if self._clock >= due:
             return Decision(True, f"interval {due:.0f}s", risk, calm=calm)
         return Decision(False, score=risk, calm=calm)
 

@@ -106,6 +106,78 @@ def test_adaptive_risk_rises_with_gradient_variance_and_alarms():
     assert d.save and d.reason == "risk alarm" and not d.calm
 
 
+def _feed(pol, n, var=1e-4, curv=0.001, t0=0.0, dt=1.0, step0=0, noise=0.0, seed=0):
+    """n evaluations of calm, slightly noisy signals; returns the decisions."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        v = var * 2 ** rng.gauss(0, noise) if noise else var * (1 + 0.01 * (i % 3))
+        c = curv * rng.gauss(0, 1) if noise else curv * (1 + 0.1 * (i % 2))
+        s = step0 + i
+        out.append(pol.should_save(_ctx(s, t0 + dt * i, reading=SignalReading(s, 1.0, c, v))))
+    return out
+
+
+def test_adaptive_variance_is_two_sided_and_curvature_never_alarms():
+    collapse = AdaptivePolicy(mtbf=3600)
+    _feed(collapse, 30)
+    d = collapse.should_save(_ctx(30, 30.0, reading=SignalReading(30, 1.0, 0.001, 1e-7)))
+    assert d.save and d.reason == "risk alarm" and not d.calm  # gradients collapsed 1000x
+    bend = AdaptivePolicy(mtbf=3600)
+    _feed(bend, 30)
+    d = bend.should_save(_ctx(30, 30.0, reading=SignalReading(30, 1.0, 5.0, 1e-4)))
+    assert bend._risk > 0.99 and not d.save and not d.calm  # risky, but no alarm from curvature
+
+
+def test_adaptive_alarm_fires_once_per_anomaly_and_rearms():
+    pol = Bounded(AdaptivePolicy(mtbf=3600), min_interval=0.0, max_interval=1e9)
+    _feed(pol.inner, 30)
+    last, reasons = 0.0, []
+    for i, var in enumerate([1e-2] * 5 + [1e-4] * 5 + [1e-2]):
+        step = 30 + i
+        d = pol.should_save(
+            _ctx(step, float(step), last_time=last, reading=SignalReading(step, 1.0, 0.001, var))
+        )
+        if d.save:
+            reasons.append((step, d.reason))
+            last = float(step)
+    assert reasons == [(30, "risk alarm"), (40, "risk alarm")]  # not one per anomalous reading
+
+
+def test_adaptive_clock_runs_faster_with_risk_and_keeps_saves_evenly_spaced():
+    pol = AdaptivePolicy(mtbf=3600, max_interval=100)  # no cost measured yet: T = 50 s
+    assert pol.interval(_ctx(1, 0.0)) == 50.0
+    pol._risk = 1.0
+    assert pol.rate() == pytest.approx(2.0)  # full risk halves the interval (hazard 4)
+    # Noisy but calm signals: saves every T, evenly, however the risk fluctuates per reading.
+    pol = Bounded(AdaptivePolicy(mtbf=3600, max_interval=100), min_interval=0.0, max_interval=1e9)
+    last, saves = 0.0, []
+    for i in range(1, 1001):
+        t = float(i)
+        r = SignalReading(i, 1.0, 0.01 * math.sin(i * 1.7), 1e-4 * 2 ** (0.5 * math.cos(i * 2.3)))
+        d = pol.should_save(_ctx(i, t, last_time=last, reading=r))
+        if d.save:
+            saves.append(t)
+            last = t
+    gaps = [b - a for a, b in zip([0.0, *saves], saves, strict=False)]
+    assert len(saves) >= 15
+    assert max(gaps) - min(gaps) <= 0.25 * 50, gaps
+
+
+def test_adaptive_saves_during_a_loss_surge_are_not_calm():
+    pol = AdaptivePolicy(mtbf=3600)
+    decisions = [
+        pol.should_save(_ctx(i, float(i), reading=SignalReading(i, loss, 0.001, 1e-4)))
+        for i, loss in enumerate([1.0 + 0.01 * (i % 3) for i in range(30)] + [3.0, 3.1, 1.01, 1.0])
+    ]
+    assert all(d.calm for d in decisions[:30])
+    assert not decisions[30].calm and not decisions[31].calm and pol._risk < 0.5  # the loss alone
+    assert not any(d.save for d in decisions)  # the loss level never forces a save
+    assert decisions[32].calm and decisions[33].calm and not pol.in_surge  # back near its level
+
+
 def test_make_policy_by_name():
     assert isinstance(make_policy(Settings()).inner, AdaptivePolicy)
     assert isinstance(make_policy(Settings(policy="seed")).inner, SeedPolicy)

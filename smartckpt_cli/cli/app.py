@@ -175,6 +175,9 @@ def simulate(
     onsets: Annotated[
         str | None, typer.Option(help="Comma-separated onset steps instead of detecting them.")
     ] = None,
+    rollback_at: Annotated[
+        str, typer.Option(help="When a rollback is decided: at a spike's 'end' or its 'onset'.")
+    ] = "end",
     all_runs: Annotated[
         bool, typer.Option("--all-runs", help="Concatenate every run of a store, not just the newest.")
     ] = False,
@@ -205,6 +208,7 @@ def simulate(
         checkpoints=checkpoints,
         spike_k=spike_k,
         onsets=steps,
+        rollback=rollback_at,
     )
     cfg.check()
     result = run_simulation(read_trace(trace, all_runs=all_runs), cfg)
