@@ -100,6 +100,11 @@ def main() -> None:
             order = (True, False) if i % 2 == 0 else (False, True)
             got = {w: block(w) for w in order}
             pairs.append((got[True][0], got[False][0], got[True][1]))
+            print(
+                f"  pair {i + 1}/{args.blocks}: with {got[True][0] * 1e3:.1f} ms/step, "
+                f"without {got[False][0] * 1e3:.1f} ms/step, inside the manager {got[True][1] * 1e3:.2f} ms/step",
+                flush=True,
+            )
         evals = step_no // args.eval_every
         if handle is not None:
             handle.remove()
