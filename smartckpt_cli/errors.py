@@ -7,7 +7,6 @@ sees one line naming the problem instead of a traceback.
 from __future__ import annotations
 
 __all__ = [
-    "EXIT_CORRUPT",
     "EXIT_ERROR",
     "EXIT_USAGE",
     "CheckpointCorrupt",
@@ -24,7 +23,6 @@ __all__ = [
 
 EXIT_ERROR = 1  # the operation failed (a corrupt checkpoint, no usable checkpoint, ...)
 EXIT_USAGE = 2  # bad input: a missing directory, a wrong flag, a bad config key
-EXIT_CORRUPT = 1
 
 
 class SmartckptError(Exception):

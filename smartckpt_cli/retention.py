@@ -18,7 +18,7 @@ from smartckpt_cli._faults import fault_point
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.journal import CheckpointRecord, Journal
 from smartckpt_cli.storage.base import Storage
-from smartckpt_cli.storage.local import TMP_MARK, file_lock
+from smartckpt_cli.storage.local import file_lock
 from smartckpt_cli.store import BlobStore
 
 __all__ = ["GC_LOCK", "collect_garbage", "prune", "select_prunable"]
@@ -92,7 +92,3 @@ def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_r
         for rel in blobs.leftovers():
             storage.remove(rel)
     return freed
-
-
-def is_tmp(name: str) -> bool:
-    return TMP_MARK in name
