@@ -226,29 +226,25 @@ def split_planes(raw: memoryview, itemsize: int) -> list[np.ndarray]:
     ]
 
 
-def _scratch(n: int, dtype: Any) -> np.ndarray:
-    """A per-thread reusable intermediate: fresh allocations would page-fault on every chunk."""
-    bufs: dict[Any, np.ndarray] = _local.__dict__.setdefault("scratch", {})
-    buf = bufs.get(dtype)
-    if buf is None or buf.size < n:
-        buf = bufs[dtype] = np.empty(n, dtype=dtype)
-    return buf[:n]
+_BLOCK = 1 << 18  # elements per join block: output (<= 2 MiB) still in cache when it is hashed
 
 
-def join_planes(planes: list[np.ndarray], itemsize: int, out: np.ndarray) -> None:
-    # Accumulate from the top plane down, widening as we go (u8 -> u16 -> u32), so each pass
-    # works on the narrowest type that holds the bits so far; ufuncs cast their inputs in
-    # buffered blocks, without full-size temporaries.
-    acc = planes[0]
-    width = acc.itemsize
-    for plane in planes[1:]:
-        width += plane.itemsize
-        wide = out.view(_UINT[width]) if width == itemsize else _scratch(acc.size, _UINT[width])
-        np.left_shift(acc, 8 * plane.itemsize, out=wide, dtype=_UINT[width])
-        np.bitwise_or(wide, plane, out=wide, casting="unsafe")
-        acc = wide
-    if len(planes) == 1:
-        out.view(_UINT[itemsize])[:] = acc
+def join_planes(
+    planes: list[np.ndarray], itemsize: int, out: np.ndarray, start: int = 0, stop: int | None = None
+) -> None:
+    """Write elements ``start:stop`` of the planes back into ``out`` (the chunk's bytes).
+
+    The lowest plane is widened into the whole element (which also zeroes the upper bytes), then
+    each higher plane is stored into its byte column: plain strided copies, ~1.5x faster than
+    rebuilding the integers with shifts and ors. Byte columns follow the host's little-endian
+    layout, as do the tensor bytes the format stores.
+    """
+    stop = planes[0].size if stop is None else stop
+    upper = PLANES[itemsize][:-1]  # the last plane is the lowest, at shift 0
+    out.view(_UINT[itemsize])[start:stop] = planes[-1][start:stop]
+    for plane, (shift, width) in zip(planes, upper, strict=False):
+        columns = out.view(_UINT[width]).reshape(-1, itemsize // width)
+        columns[start:stop, shift // (8 * width)] = plane[start:stop]
 
 
 def _bytes_of(arr: Any) -> memoryview:
@@ -302,14 +298,22 @@ def _planes_from(data: ReadableBuffer, itemsize: int, count: int) -> list[np.nda
     return planes
 
 
-def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int) -> None:
-    """Decode one chunk into ``out`` (a uint8 array of exactly the chunk's raw length)."""
+def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int) -> str:
+    """Decode one chunk into ``out`` (a uint8 array of exactly the chunk's raw length) and return
+    the raw hash of what was decoded. Planes are joined and hashed block by block, so each block
+    is hashed while it is still in cache: one pass over memory instead of two."""
     raw_len = out.size
     if codec == "planes":
         if itemsize not in PLANES or raw_len % itemsize:
             raise ValueError(f"planes codec with item size {itemsize}")
-        join_planes(_planes_from(data, itemsize, raw_len // itemsize), itemsize, out)
-        return
+        count = raw_len // itemsize
+        planes = _planes_from(data, itemsize, count)
+        hasher = xxhash.xxh3_128()
+        for start in range(0, count, _BLOCK):
+            stop = min(count, start + _BLOCK)
+            join_planes(planes, itemsize, out, start, stop)
+            hasher.update(out[start * itemsize : stop * itemsize])
+        return hasher.hexdigest()
     view = memoryview(data)
     if codec == "raw":
         src: bytes | memoryview = view
@@ -320,3 +324,4 @@ def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int
     if len(src) != raw_len:
         raise ValueError(f"chunk decodes to {len(src)} bytes, manifest says {raw_len}")
     out[:] = np.frombuffer(src, dtype=np.uint8)
+    return raw_hash(out)

@@ -172,4 +172,15 @@ def load_settings(
 
 
 # Variables smartckpt uses for other purposes (test fault injection, the supervisor's handshake).
-_IGNORED_ENV = {"SMARTCKPT_TEST_FAULTS", "SMARTCKPT_FAULT", "SMARTCKPT_CONFIG"}
+# The handshake names are hooks/_smartckpt_protocol.py's ENV_* (not imported: config must not
+# depend on the hooks package).
+_IGNORED_ENV = {
+    "SMARTCKPT_TEST_FAULTS",
+    "SMARTCKPT_FAULT",
+    "SMARTCKPT_CONFIG",
+    "SMARTCKPT_RUN_DIR",
+    "SMARTCKPT_RUN_ID",
+    "SMARTCKPT_ATTEMPT",
+    "SMARTCKPT_HOOKS_DIR",
+    "SMARTCKPT_HOOKS_LOADED",
+}

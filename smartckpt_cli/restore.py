@@ -71,10 +71,10 @@ def _read_stream(blobs: BlobStore, stream: dict[str, Any], out: np.ndarray, item
         if part.size != raw_len:
             raise ValueError(f"chunks of {key} overrun its size")
         try:
-            codec.decode_into(cod, data, part, itemsize)
+            decoded_hash = codec.decode_into(cod, data, part, itemsize)
         except Exception as err:  # a corrupt zstd frame raises its own error types
             raise ValueError(f"undecodable chunk {bid}: {err}") from err
-        if codec.raw_hash(part.data) != rh:
+        if decoded_hash != rh:
             raise ValueError(f"decoded chunk {bid} does not match its raw hash")
         pos += raw_len
     if pos != out.size:

@@ -41,9 +41,26 @@ def test_join_planes_inverts_split_planes(itemsize):
     raw = np.random.default_rng(0).integers(0, 256, 8 * 1000, dtype=np.uint8)
     planes = codec.split_planes(memoryview(raw), itemsize)
     assert planes[0].dtype == np.uint8 and planes[0][0] == raw[itemsize - 1]  # little-endian top byte first
-    out = np.empty_like(raw)
+    out = np.full_like(raw, 0xAB)  # stale bytes everywhere: every byte must be rewritten
     codec.join_planes(planes, itemsize, out)
     assert np.array_equal(out, raw)
+    half = np.full_like(raw, 0xAB)
+    n = raw.size // itemsize
+    codec.join_planes(planes, itemsize, half, n // 3, n // 2)  # a block touches only its elements
+    assert np.array_equal(
+        half[n // 3 * itemsize : n // 2 * itemsize], raw[n // 3 * itemsize : n // 2 * itemsize]
+    )
+    assert (half[: n // 3 * itemsize] == 0xAB).all() and (half[n // 2 * itemsize :] == 0xAB).all()
+
+
+def test_decode_returns_the_raw_hash_across_block_boundaries():
+    t = torch.randn(3 * (1 << 18) + 5) * 0.02  # several join blocks plus a ragged tail
+    raw = codec.tensor_bytes(t)
+    name, enc = codec.encode_chunk(raw, 4, 1)
+    assert name == "planes"
+    out = torch.empty_like(t)
+    assert codec.decode_into(name, bytes(enc), codec.byte_view(out), 4) == codec.raw_hash(raw)
+    assert torch.equal(out, t)
 
 
 def _moments_with_extremes() -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""The contract between ``smartckpt run`` (the supervisor) and the hooks in the training process.
+
+Standard library only: the child's ``sitecustomize`` imports this at interpreter start-up, long
+before torch (or smartckpt itself) may be imported. The supervisor imports it as
+``smartckpt_cli.hooks._smartckpt_protocol``.
+
+Everything goes through files in one *run directory* (``<store>/runs/<run-id>/``), named by the
+writer's pid, so that several processes (torchrun workers, DataLoader workers) never share a file:
+
+``hooks.<pid>.json``     written by ``sitecustomize`` when it loads: proof the hooks are live.
+``heartbeat.<pid>``      a fixed 64-byte record (:data:`HEARTBEAT`), rewritten in place at every
+                         optimizer step with one ``pwrite``: no allocation, no fsync, ~2 µs.
+``error.<pid>.json``     the uncaught exception that ended the process (type, message, traceback),
+                         so the supervisor can tell a SyntaxError from an NCCL timeout.
+``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
+                         supervisor sends :data:`STACK_SIGNAL` to a hung process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# Set by the supervisor in the child's environment.
+ENV_RUN_DIR = "SMARTCKPT_RUN_DIR"  # the run directory above; its presence arms the hooks
+ENV_RUN_ID = "SMARTCKPT_RUN_ID"
+ENV_ATTEMPT = "SMARTCKPT_ATTEMPT"  # 0 for the first start, then 1, 2, ... after each restart
+ENV_HOOKS_DIR = "SMARTCKPT_HOOKS_DIR"  # the directory holding our sitecustomize (to chain past it)
+ENV_LOADED = "SMARTCKPT_HOOKS_LOADED"  # set inside a process once the hooks ran (guards re-entry)
+
+STACK_SIGNAL_NAME = "SIGQUIT"  # registered with faulthandler by the hooks; only sent when live
+
+# Heartbeat states.
+STARTING, TRAINING, SAVING, RESTORING, DONE = 0, 1, 2, 3, 4
+STATE_NAMES = {
+    STARTING: "starting",
+    TRAINING: "training",
+    SAVING: "saving",
+    RESTORING: "restoring",
+    DONE: "done",
+}
+
+# wall time (time.time), monotonic-free on purpose: the supervisor compares it with its own
+# time.time(); step; loss (nan when unknown); state; last committed step (-1: none); rank (-1:
+# not distributed); a sequence number bumped at every write, so a torn read (a write racing the
+# read) is detected by reading twice.
+HEARTBEAT = struct.Struct("<dqdiqiq")
+HEARTBEAT_SIZE = 64
+assert HEARTBEAT.size <= HEARTBEAT_SIZE
+
+
+@dataclass(frozen=True)
+class Beat:
+    pid: int
+    time: float
+    step: int
+    loss: float
+    state: int
+    committed_step: int
+    rank: int
+    seq: int
+
+    @property
+    def state_name(self) -> str:
+        return STATE_NAMES.get(self.state, "unknown")
+
+
+def hooks_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"hooks.{pid}.json")
+
+
+def heartbeat_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"heartbeat.{pid}")
+
+
+def error_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"error.{pid}.json")
+
+
+def stacks_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"stacks.{pid}.txt")
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Small file, written whole: tmp + rename, so a reader never sees half of it."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class HeartbeatWriter:
+    """Owned by the training process; ``beat`` is one ``pwrite`` of 64 bytes."""
+
+    def __init__(self, run_dir: str, rank: int = -1) -> None:
+        self.path = heartbeat_path(run_dir, os.getpid())
+        self.rank = rank
+        self.seq = 0
+        self.step = 0
+        self.loss = float("nan")
+        self.state = STARTING
+        self.committed = -1
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.beat()
+
+    def beat(
+        self,
+        step: int | None = None,
+        loss: float | None = None,
+        state: int | None = None,
+        committed_step: int | None = None,
+    ) -> None:
+        if step is not None:
+            self.step = step
+        if loss is not None:
+            self.loss = loss
+        if state is not None:
+            self.state = state
+        if committed_step is not None:
+            self.committed = committed_step
+        self.seq += 1
+        record = HEARTBEAT.pack(
+            time.time(), self.step, self.loss, self.state, self.committed, self.rank, self.seq
+        )
+        try:
+            os.pwrite(self._fd, record.ljust(HEARTBEAT_SIZE, b"\0"), 0)
+        except OSError:
+            pass  # a full or vanished run directory must never stop training
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def read_heartbeat(path: str, pid: int) -> Beat | None:
+    """The latest beat, or None when the file is missing or being rewritten."""
+    for _ in range(3):
+        try:
+            with open(path, "rb") as f:
+                a = f.read(HEARTBEAT_SIZE)
+                f.seek(0)
+                b = f.read(HEARTBEAT_SIZE)
+        except OSError:
+            return None
+        if len(a) >= HEARTBEAT.size and a == b:
+            t, step, loss, state, committed, rank, seq = HEARTBEAT.unpack_from(a)
+            return Beat(pid, t, step, loss, state, committed, rank, seq)
+    return None
