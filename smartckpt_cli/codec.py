@@ -312,7 +312,7 @@ def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int
         for start in range(0, count, _BLOCK):
             stop = min(count, start + _BLOCK)
             join_planes(planes, itemsize, out, start, stop)
-            hasher.update(out[start * itemsize : stop * itemsize])
+            hasher.update(out[start * itemsize : stop * itemsize].data)
         return hasher.hexdigest()
     view = memoryview(data)
     if codec == "raw":
@@ -324,4 +324,4 @@ def decode_into(codec: str, data: ReadableBuffer, out: np.ndarray, itemsize: int
     if len(src) != raw_len:
         raise ValueError(f"chunk decodes to {len(src)} bytes, manifest says {raw_len}")
     out[:] = np.frombuffer(src, dtype=np.uint8)
-    return raw_hash(out)
+    return raw_hash(out.data)

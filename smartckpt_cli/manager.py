@@ -231,6 +231,8 @@ class CheckpointManager:
             if kind == "optimizer" and all(o is not obj for o in self._optimizers):
                 self._optimizers.append(obj)
                 self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+                self._signals.watch(obj)
+        self._signals.arm(self._signals.due(self._last_step + 1))
         self._preempt.install()
 
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
@@ -242,7 +244,15 @@ class CheckpointManager:
                 self._lazy_snapshot = None
         # Gradient statistics for the next evaluation, reduced on the device.
         if self._signals.due(self._last_step + 1):
-            self._signals.collect_grads(optimizer)
+            self._signals.collect_grads(optimizer, self._loss_scale())
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        """The current scale of a registered, enabled GradScaler (a device tensor: no sync)."""
+        for kind, obj in self._objects.values():
+            if kind == "state" and isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+                scale = getattr(obj, "_scale", None)
+                return scale if isinstance(scale, torch.Tensor) else None
+        return None
 
     def registered(self, name: str) -> Any:
         """The object registered under ``name`` as smartckpt sees it (a DataLoader comes back as
@@ -308,6 +318,7 @@ class CheckpointManager:
             self._last_loss = loss
             self._signals.add_loss(loss)
         reading = self._signals.evaluate(step) if self._signals.due(step) else None
+        self._signals.arm(self._signals.due(step + 1))
         ctx = TriggerContext(
             step,
             time.monotonic(),
@@ -480,6 +491,7 @@ class CheckpointManager:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            self._signals.unwatch()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None

@@ -12,6 +12,15 @@ f_{t−2}. The median (not the mean) is what makes it robust to a single odd bat
 
 Gradient variance is the variance of all gradient elements of all parameters taken together:
 E[g²] − E[g]², from Σg² (``_foreach_norm``) and Σg.
+
+It is the variance *before gradient clipping and loss scaling*. The pre-hook sees gradients after
+``clip_grad_norm_`` and after a GradScaler's ``unscale_``; clipped gradients have a norm pinned at
+``max_norm``, so their variance is ≈ max_norm²/n at every step and says nothing. Both clipping by
+norm and (un)scaling multiply every gradient by one factor, so one reference parameter per
+optimizer (its largest) carries a post-accumulate-grad hook that records its gradient norm as
+backward leaves it, on evaluation steps only; the pre-hook's sums are then rescaled by
+(norm at backward / (loss scale · norm at the step))². Per-value clipping (``clip_grad_value_``)
+is not a uniform scale and is not undone.
 """
 
 from __future__ import annotations
@@ -56,6 +65,36 @@ class Signals:
         self._losses: deque[torch.Tensor] = deque(maxlen=window)
         self._filtered: deque[float] = deque(maxlen=3)
         self._grad: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (Σg², Σg, n)
+        self._armed = False
+        self._ref: dict[int, tuple[torch.Tensor, Any]] = {}  # id(optimizer) -> (ref param, hook)
+        self._ref_norm: dict[int, torch.Tensor] = {}  # id(ref param) -> its norm after backward
+
+    def watch(self, optimizer: Any) -> None:
+        """Hook the optimizer's largest parameter, to undo clipping and loss scaling."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        if not params or id(optimizer) in self._ref:
+            return
+        ref = max(params, key=lambda p: p.numel())
+        if not hasattr(ref, "register_post_accumulate_grad_hook"):
+            return
+        self._ref[id(optimizer)] = (ref, ref.register_post_accumulate_grad_hook(self._after_backward))
+
+    def _after_backward(self, p: torch.Tensor) -> None:
+        # Runs for every backward (micro-batches too): the last one before the step wins.
+        if self._armed and p.grad is not None and not p.grad.is_sparse:
+            self._ref_norm[id(p)] = torch.linalg.vector_norm(p.grad.detach().float())
+
+    def arm(self, due_next: bool) -> None:
+        """Called at each step boundary: record reference norms during the next backward?"""
+        self._armed = due_next
+        if not due_next:
+            self._ref_norm.clear()
+
+    def unwatch(self) -> None:
+        for _, handle in self._ref.values():
+            handle.remove()
+        self._ref.clear()
+        self._ref_norm.clear()
 
     def due(self, step: int) -> bool:
         return step % self.eval_every == 0
@@ -64,17 +103,27 @@ class Signals:
         t = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
         self._losses.append(t.float())
 
-    def collect_grads(self, optimizer: Any) -> None:
+    def collect_grads(self, optimizer: Any, loss_scale: torch.Tensor | float | None = None) -> None:
         """Reduce an optimizer's gradients on the device (no host sync); called from its step
-        pre-hook on the step before an evaluation. Several optimizers pool their statistics."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
+        pre-hook on the step before an evaluation. Several optimizers pool their statistics.
+        ``loss_scale``: a GradScaler's current scale (its gradients at backward are scaled)."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
             return
-        grads = [g.to_dense() if g.is_sparse else g for g in grads]
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
         norms = torch._foreach_norm(grads, 2)
         sumsq = torch.stack([n.float() for n in norms]).pow(2).sum()
         total = torch.stack([g.float().sum() for g in grads]).sum()
         n = sum(g.numel() for g in grads)
+        ref = self._ref.get(id(optimizer))
+        at_backward = self._ref_norm.pop(id(ref[0]), None) if ref is not None else None
+        if ref is not None and at_backward is not None:
+            i = next((i for i, p in enumerate(params) if p is ref[0]), None)
+            if i is not None:
+                now = norms[i].float() * (1.0 if loss_scale is None else loss_scale)
+                # 1/c for a clip factor c (exactly 1 without clipping); left alone at zero norm
+                undo = torch.where(now > 0, at_backward.to(now.device) / now, torch.ones_like(now))
+                sumsq, total = sumsq * undo * undo, total * undo
         if self._grad is not None:
             prev_sq, prev_sum, prev_n = self._grad
             sumsq, total, n = sumsq + prev_sq.to(sumsq.device), total + prev_sum.to(total.device), n + prev_n

@@ -199,6 +199,54 @@ def test_signals_median_filter_curvature_and_global_variance():
     assert curvature([1.0, 0.8, 0.7]) == pytest.approx(0.1)
 
 
+def _variance_reading(tmp_path, name: str, *, clip: float | None, scale: float | None) -> float:
+    """One real training run of 10 steps under a manager; the reading at step 10."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=1000) if scale else None
+    with sc.CheckpointManager(tmp_path / name, every_steps=10**6, eval_every=10) as mgr:
+        mgr.register(model=model, optimizer=opt, **({"scaler": scaler} if scaler else {}))
+        for step in range(1, 11):
+            x = torch.randn(64, 16)
+            loss = (model(x) - x[:, :1]).pow(2).mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+            mgr.step(step, loss)
+        reading = mgr._last_reading
+    assert reading is not None and reading.grad_var is not None
+    return reading.grad_var
+
+
+def test_gradient_variance_is_read_before_clipping_and_loss_scaling(tmp_path):
+    # Clipping changes the updates, so a clipped run's step-10 gradients differ a little from a
+    # plain run's; but their variance stays of the same order, while the clipped gradients' own
+    # variance is pinned near max_norm²/n (a tiny max_norm clips every step).
+    plain = _variance_reading(tmp_path, "plain", clip=None, scale=None)
+    huge_clip = _variance_reading(tmp_path, "noop-clip", clip=1e9, scale=None)
+    assert huge_clip == pytest.approx(plain, rel=1e-5)  # a clip that never clips changes nothing
+    scaled = _variance_reading(tmp_path, "scaled", clip=None, scale=2.0**12)
+    assert scaled == pytest.approx(plain, rel=1e-4)  # the loss scale is undone
+    clipped = _variance_reading(tmp_path, "clipped", clip=1e-3, scale=None)
+    n = sum(
+        p.numel() for p in torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)).parameters()
+    )
+    pinned = (1e-3) ** 2 / n  # what the clipped gradients' own variance would be at most
+    assert clipped > 100 * pinned, "the reading is the clipped gradients' variance"
+    assert 0.01 * plain < clipped < 100 * plain
+
+
 def test_retention_keeps_the_newest_calm_checkpoint():
     recs = [CheckpointRecord(s, f"c{s}", "m", "h", position=s, calm=s <= 2) for s in range(1, 7)]
     doomed = {r.step for r in select_prunable(recs, keep_last=3)}
