@@ -1,0 +1,1 @@
+"""Helpers for the tests that run under a real single-node SLURM (see cluster.py)."""
