@@ -107,6 +107,23 @@ def test_parse_show_job() -> None:
     assert parse_show_job("") == {}
 
 
+def test_sbatch_example_has_the_directives_preemption_needs() -> None:
+    text = SBATCH_EXAMPLE.read_text()
+    directives = re.findall(r"^#SBATCH (\S+)", text, re.M)
+    for flag in ("--signal=B:USR1@90", "--requeue", "--open-mode=append"):
+        assert flag in directives, flag
+    # sbatch reads #SBATCH lines only up to the first command.
+    first_command = next(i for i, ln in enumerate(text.splitlines()) if ln.strip() and not ln.startswith("#"))
+    assert all(text.splitlines().index(f"#SBATCH {d}") < first_command for d in directives)
+    run = re.search(r"^smartckpt run --requeue .*&$", text, re.M)
+    trap = re.search(r"^trap ", text, re.M)
+    ready = re.search(r"^echo .*ready job=", text, re.M)
+    assert run and trap and ready
+    # The trap before the ready line, the ready line before the work (run in the background).
+    assert trap.start() < ready.start() < run.start()
+    subprocess.run(["bash", "-n", str(SBATCH_EXAMPLE)], check=True)
+
+
 # ---------------------------------------------------------------- requeue against stand-in scontrol programs
 
 
