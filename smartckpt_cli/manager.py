@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from smartckpt_cli import runtime
 from smartckpt_cli.apply import apply_checkpoint
 from smartckpt_cli.config import Settings, load_settings
 from smartckpt_cli.errors import (
@@ -132,6 +133,7 @@ class CheckpointManager:
         create: bool = True,
         **settings: Any,
     ) -> None:
+        runtime.manager_created(self)  # a user's manager turns zero-code mode off
         overrides = {
             "dir": os.fspath(directory) if directory is not None else None,
             "meta_dir": os.fspath(meta_dir) if meta_dir is not None else None,
@@ -267,6 +269,10 @@ class CheckpointManager:
         L1 (or L3) fails verification is skipped for the previous one, with a warning saying why.
         A corrupt L2 does the same, unless ``on_l2_corrupt="reset"``: then L1 is restored and the
         optimizer moments start over, with a loud warning."""
+        with runtime.heartbeat_state("RESTORING"):
+            return self._restore(include_unhealthy)
+
+    def _restore(self, include_unhealthy: bool) -> int:
         self.wait()
         state = self.store.journal.read()
         tried: list[str] = []
@@ -318,6 +324,8 @@ class CheckpointManager:
             self._last_loss = loss
             self._signals.add_loss(loss)
         reading = self._signals.evaluate(step) if self._signals.due(step) else None
+        # Under `smartckpt run`: one heartbeat (the loss only when this step synced it anyway).
+        runtime.beat(step, reading.raw_loss if reading else None, committed_step=self._committed[0])
         self._signals.arm(self._signals.due(step + 1))
         ctx = TriggerContext(
             step,
@@ -357,7 +365,8 @@ class CheckpointManager:
         also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
         handle = self._save(step, Decision(True, reason), lazy=False)
         if blocking:
-            handle.wait()
+            with runtime.heartbeat_state("SAVING"):
+                handle.wait()
         return handle
 
     def _preempted(self, step: int, signum: int, result: StepResult) -> StepResult:
@@ -365,8 +374,9 @@ class CheckpointManager:
 
         name = _signal.Signals(signum).name
         logger.warning("%s received: taking a blocking checkpoint at step %d", name, step)
-        handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
-        handle.wait()
+        with runtime.heartbeat_state("SAVING"):
+            handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
+            handle.wait()
         self._trace.flush()
         result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
         self._preempt.finish(signum)  # exits through the signal unless told to continue
@@ -481,7 +491,8 @@ class CheckpointManager:
         if self._closed:
             return self.failures
         try:
-            self.wait()
+            with runtime.heartbeat_state("SAVING"):
+                self.wait()
         finally:
             self._closed = True
             self._saver.shutdown(wait=True)

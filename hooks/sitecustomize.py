@@ -1,0 +1,266 @@
+"""smartckpt's bootstrap, imported by the interpreter at start-up because ``smartckpt run`` puts this
+directory first on PYTHONPATH. Standard library only: it runs before anything else, in every Python
+process of the job (the torchrun agent, its workers, DataLoader workers started with ``spawn``).
+
+What it does, in order, and never more than once per process:
+
+1. Chains to the ``sitecustomize`` it shadows (the user's further along PYTHONPATH, or the
+   distribution's in site-packages): this directory is taken off ``sys.path``, the module cache
+   entry dropped and ``sitecustomize`` imported again, then both are put back. Python only ever
+   imports one ``sitecustomize``, so without this the user's would silently stop running.
+2. When ``SMARTCKPT_RUN_DIR`` is set (the supervisor's handshake, see ``_smartckpt_protocol``):
+   writes ``hooks.<pid>.json`` (the hooks are live), installs ``sys.excepthook`` and
+   ``threading.excepthook`` wrappers that write ``error.<pid>.json`` before handing on (a
+   SyntaxError in the main script goes through ``sys.excepthook`` too), registers ``faulthandler``
+   on SIGQUIT to dump every thread's stack into ``stacks.<pid>.txt``, and installs an import
+   watcher: once ``torch`` has been imported, ``smartckpt_cli.runtime.install_hooks()`` adds the
+   global optimizer step hooks and the ``backward`` wrapper. Nothing else happens until an
+   optimizer steps, so processes that never train (the torchrun agent, DataLoader workers) stay
+   untouched.
+
+The guard against running twice is a flag in this process's ``sys`` module, not an environment
+variable: children (torchrun workers, subprocesses) must run the hooks again. A second copy of
+this file further along the path (two installs) still chains onward but adds no second set of
+hooks. Any failure here is reported once on stderr and the program runs on without the hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+_FLAG = "_smartckpt_hooks"  # attribute on the sys module: this process already ran the hooks
+_here = os.path.dirname(os.path.abspath(__file__))
+_reported = False
+
+
+def _report(what: str, err: BaseException) -> None:
+    global _reported
+    if _reported:
+        return
+    _reported = True
+    try:
+        sys.stderr.write(
+            f"smartckpt: hooks disabled ({what}: {type(err).__name__}: {err}); running without them\n"
+        )
+    except Exception:
+        pass
+
+
+def _same_dir(entry: str) -> bool:
+    try:
+        return os.path.realpath(entry or os.getcwd()) == os.path.realpath(_here)
+    except (OSError, ValueError):
+        return False
+
+
+def _chain() -> object | None:
+    """Import the sitecustomize this one shadows, if any; returns it."""
+    import importlib
+
+    me = sys.modules.get("sitecustomize")
+    saved = list(sys.path)
+    positions = [i for i, p in enumerate(saved) if _same_dir(p)]
+    sys.path[:] = [p for p in saved if not _same_dir(p)]
+    sys.modules.pop("sitecustomize", None)
+    try:
+        return importlib.import_module("sitecustomize")
+    except ModuleNotFoundError as err:
+        if err.name != "sitecustomize":
+            _report_chain(err)
+        return None
+    except Exception as err:
+        _report_chain(err)
+        return None
+    finally:
+        # Put our directory back where it was (what the chained module added to sys.path stays).
+        for i in positions:
+            sys.path.insert(min(i, len(sys.path)), saved[i])
+        if me is not None:
+            sys.modules["sitecustomize"] = me
+
+
+def _report_chain(err: BaseException) -> None:
+    # What site.py itself prints when a sitecustomize fails; the user's error is not ours.
+    try:
+        sys.stderr.write(f"Error in sitecustomize (chained by smartckpt); {type(err).__name__}: {err}\n")
+    except Exception:
+        pass
+
+
+def _activate(run_dir: str) -> None:
+    import time
+
+    import _smartckpt_protocol as proto
+
+    pid = os.getpid()
+    proto.write_json(
+        proto.hooks_path(run_dir, pid),
+        {
+            "pid": pid,
+            "ppid": os.getppid(),
+            "argv": list(sys.argv),
+            "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),
+            "python": sys.executable,
+            "python_version": sys.version.split()[0],
+            "hooks": _here,
+            "run_id": os.environ.get(proto.ENV_RUN_ID),
+            "attempt": os.environ.get(proto.ENV_ATTEMPT),
+            "time": time.time(),
+        },
+    )
+    _install_error_hooks(run_dir, proto)
+    _install_stack_dump(run_dir, proto)
+    _install_torch_watcher()
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _write_error(
+    run_dir: str, proto: Any, exc_type: type, exc: BaseException, tb: object, thread: str | None
+) -> None:
+    import time
+    import traceback
+
+    payload = {
+        "type": getattr(exc_type, "__name__", str(exc_type)),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+        "time": time.time(),
+    }
+    if thread is not None:
+        payload["thread"] = thread
+    proto.write_json(proto.error_path(run_dir, os.getpid()), payload)
+
+
+def _install_error_hooks(run_dir: str, proto: Any) -> None:
+    import threading
+
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type, exc: BaseException, tb: object) -> None:
+        state["uncaught"] = True
+        try:
+            _write_error(run_dir, proto, exc_type, exc, tb, None)
+        except Exception:
+            pass
+        previous(exc_type, exc, tb)
+
+    previous_thread = threading.excepthook
+
+    def thread_excepthook(args: Any) -> None:
+        try:
+            if args.exc_type is not SystemExit:
+                name = getattr(args.thread, "name", None)
+                _write_error(
+                    run_dir, proto, args.exc_type, args.exc_value, args.exc_traceback, name or "thread"
+                )
+        except Exception:
+            pass
+        previous_thread(args)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+
+
+def _install_stack_dump(run_dir: str, proto: Any) -> None:
+    import faulthandler
+    import signal
+
+    signum = getattr(signal, proto.STACK_SIGNAL_NAME, None)
+    if signum is None:
+        return
+    # faulthandler writes from its C signal handler, so the file must be open beforehand; it works
+    # even when the hung thread holds the GIL or sits in C code.
+    f = open(proto.stacks_path(run_dir, os.getpid()), "a", encoding="utf-8")  # noqa: SIM115
+    state["stacks_file"] = f
+    faulthandler.register(signum, file=f, all_threads=True, chain=False)
+
+
+# ---------------------------------------------------------------------------- torch watcher
+
+
+class _TorchWatcher:
+    """A ``sys.meta_path`` finder that does not find anything itself: when ``torch`` is about to be
+    imported it lets the other finders locate it and wraps that loader's ``exec_module`` so that,
+    once torch is fully initialised, the runtime installs its hooks. Removes itself after that."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != "torch":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        self.remove()
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_hook(module: object) -> None:
+            exec_module(module)
+            _torch_loaded()
+
+        try:
+            loader.exec_module = exec_and_hook
+        except Exception as err:
+            _report("watching the torch import", err)
+        return spec
+
+    def remove(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+def _torch_loaded() -> None:
+    try:
+        from smartckpt_cli import runtime
+
+        runtime.install_hooks()
+    except Exception as err:
+        _report("installing the torch hooks", err)
+
+
+def _install_torch_watcher() -> None:
+    if "torch" in sys.modules:
+        _torch_loaded()
+        return
+    sys.meta_path.insert(0, _TorchWatcher())
+
+
+# ---------------------------------------------------------------------------- start-up
+
+
+state: dict[str, object] = {}
+
+
+def _main() -> None:
+    first = getattr(sys, _FLAG, None) is None
+    if first:
+        setattr(sys, _FLAG, state)
+    # Chain even when a copy of us already ran: the sitecustomize further along must still run.
+    state_chained = _chain()
+    if first:
+        state["chained"] = state_chained
+        run_dir = os.environ.get("SMARTCKPT_RUN_DIR")
+        if run_dir:
+            try:
+                _activate(run_dir)
+                state["active"] = True
+            except Exception as err:
+                _report("start-up", err)
+
+
+try:
+    _main()
+except Exception as _err:  # never break the user's program
+    _report("start-up", _err)
