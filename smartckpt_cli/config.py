@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class Settings:
     policy: str = "adaptive"  # adaptive | seed | fixed (see trigger.py)
     every_steps: int | None = None  # a fixed schedule; overrides the policy
     every_seconds: float | None = None
+    every: str | None = None  # "50" (steps) or "30s"/"5m" (duration): sets one of the two above
     max_interval: float = 180.0  # seconds of training that may go unsaved
     max_interval_steps: int | None = None
     min_interval: float = 10.0  # seconds: the floor between a policy's own saves
@@ -50,6 +52,15 @@ class Settings:
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
     tiers: tuple[TierRule, ...] = field(default_factory=tuple)
+    # smartckpt run (the supervisor)
+    max_restarts: int = 5  # restarts after failures before giving up
+    hang_timeout: float | None = None  # seconds without a step; None = learned from step times
+    requeue: bool = False  # after a preemption signal (USR1/USR2): scontrol requeue the SLURM job
+    grace_period: float = 30.0  # seconds the child gets to save and exit after SIGTERM/SIGINT
+    restart_backoff: float = 2.0  # seconds before the first restart; doubles per failure in a row
+    crash_loop: int = 3  # failed attempts from the same checkpoint before rolling back once
+    no_restart_on: str = ""  # regexes (separated by ';;') for errors that must not be restarted
+    log_every: float = 30.0  # seconds between status lines when the output is not a terminal
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -74,9 +85,39 @@ class Settings:
             raise ConfigError("eval_every and loss_window must be at least 1")
         if self.mtbf <= 0:
             raise ConfigError("mtbf must be positive")
+        if self.every is not None:
+            from smartckpt_cli.runpolicy import parse_every
+
+            try:
+                steps, seconds = parse_every(self.every)
+            except ValueError as err:
+                raise ConfigError(f"every: {err}") from None
+            object.__setattr__(self, "every_steps", steps)
+            object.__setattr__(self, "every_seconds", seconds)
+        if self.max_restarts < 0:
+            raise ConfigError("max_restarts must be 0 or more")
+        if self.hang_timeout is not None and self.hang_timeout <= 0:
+            raise ConfigError("hang_timeout must be positive (seconds)")
+        if self.grace_period <= 0:
+            raise ConfigError("grace_period must be positive (seconds)")
+        if self.restart_backoff < 0:
+            raise ConfigError("restart_backoff must be 0 or more (seconds)")
+        if self.crash_loop < 1:
+            raise ConfigError("crash_loop must be at least 1")
+        if self.log_every <= 0:
+            raise ConfigError("log_every must be positive (seconds)")
+        for pat in self.no_restart_patterns:
+            try:
+                re.compile(pat)
+            except re.error as err:
+                raise ConfigError(f"no_restart_on: {pat!r} is not a regular expression ({err})") from None
         for name in self.signal_names:
             if name not in ("TERM", "USR1", "USR2", "INT", "HUP"):
                 raise ConfigError(f"preempt_signals: unsupported signal {name!r}")
+
+    @property
+    def no_restart_patterns(self) -> list[str]:
+        return [p.strip() for p in self.no_restart_on.split(";;") if p.strip()]
 
     @property
     def signal_names(self) -> list[str]:

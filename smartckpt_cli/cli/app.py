@@ -253,6 +253,57 @@ def simulate(
     console.print(table)
 
 
+@app.command(
+    "run",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def run_cmd(
+    command: Annotated[list[str] | None, typer.Argument(help="train.py [ARGS], or -- CMD [ARGS].")] = None,
+    dir: Annotated[
+        str | None, typer.Option("--dir", help="Checkpoint store (default ./checkpoints).")
+    ] = None,
+    every: Annotated[
+        str | None,
+        typer.Option(help="Fixed schedule instead of the trigger: steps (50) or a duration (30s)."),
+    ] = None,
+    max_restarts: Annotated[int | None, typer.Option(help="Restarts before giving up (default 5).")] = None,
+    hang_timeout: Annotated[
+        float | None, typer.Option(help="Seconds without a step that count as a hang (default: learned).")
+    ] = None,
+    requeue: Annotated[
+        bool | None, typer.Option("--requeue/--no-requeue", help="Requeue the SLURM job after USR1/USR2.")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(envvar="SMARTCKPT_CONFIG", help="YAML settings file (default ./smartckpt.yaml)."),
+    ] = None,
+) -> None:
+    """Run a training script under smartckpt: checkpoints without code changes, restarts after
+    crashes from the newest verified checkpoint.
+
+    \b
+      smartckpt run train.py --lr 3e-4            (python train.py with this interpreter)
+      smartckpt run --every 30s -- torchrun --nproc_per_node 2 train.py
+
+    Options go before the script; everything from the script (or after --) is the command.
+    Each option can also be set in smartckpt.yaml (--config) or as SMARTCKPT_<NAME>.
+
+    \b
+    Exit codes:
+      0        training finished (or the job was requeued after a preemption)
+      N        the child's own exit code when it is not restarted (SyntaxError,
+               ImportError, a failure before the first step, a no_restart_on match)
+      128+N    stopped by signal N (SIGTERM: 143) that was passed to the child
+      2        bad input (a missing script, a bad option or setting)
+      3        gave up: max_restarts reached
+      4        crash loop: the same failure after a rollback to the previous checkpoint
+    """
+    from smartckpt_cli.cli.run import run_command
+
+    overrides = {"dir": dir, "max_restarts": max_restarts, "hang_timeout": hang_timeout, "requeue": requeue}
+    raise typer.Exit(run_command(list(command or []), overrides, config, every))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
     try:

@@ -1,0 +1,231 @@
+"""``smartckpt run`` end to end: real supervisor, real training children, real signals.
+
+The child is ``tests/scripts/supervised_train.py`` (an explicit CheckpointManager; it beats the
+run protocol's heartbeat itself when the hooks do not). Faults are switched on by its flags, on
+the first attempt or on every attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from smartckpt_cli.journal import Journal
+from smartckpt_cli.storage.local import LocalStorage
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "supervised_train.py"
+TOTAL = 40
+
+
+def _env(child_env: dict[str, str], **extra: str) -> dict[str, str]:
+    env = dict(child_env)
+    env["SMARTCKPT_RESTART_BACKOFF"] = "0.1"
+    env.update(extra)
+    return env
+
+
+def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> tuple[int, str]:
+    proc = _start(args, cwd, env)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _record(store: Path) -> dict:
+    (path,) = (store / "runs").glob("*.json")
+    return json.loads(path.read_text())
+
+
+def _events(store: Path) -> list[dict]:
+    journal = Journal(LocalStorage(store), store)
+    return [r.event for r in journal.read().records], journal.read()
+
+
+def _same_state(a: dict, b: dict) -> None:
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"model entry {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sb:
+        for k in sb[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}/{k} differs"
+    assert a["scheduler"] == b["scheduler"]
+    assert torch.equal(a["rng"], b["rng"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """An uninterrupted run of the same script, outside the supervisor."""
+    d = tmp_path_factory.mktemp("reference")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+    env.update(PYTHONPATH=str(ROOT), SMARTCKPT_DIR=str(d / "store"), SMARTCKPT_EVERY_STEPS="5")
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--total", str(TOTAL), "--out", str(d / "final.pt"), "--step-time", "0"],
+        env=env, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return torch.load(d / "final.pt", weights_only=True)
+
+
+def test_sigkill_at_a_random_step_finishes_bit_exact(tmp_path, child_env, reference):
+    kill_at = random.Random(time.time_ns()).randrange(3, TOTAL - 2)
+    rc, out = _run(
+        ["--dir", "ck", "--every", "5", str(SCRIPT), "--total", str(TOTAL), "--kill-at", str(kill_at),
+         "--out", "final.pt"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert rc == 0, out
+    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+    rec = _record(tmp_path / "ck")
+    assert rec["outcome"] == "finished" and rec["restarts"] == 1
+    first = rec["attempts"][0]
+    assert first["category"] == "signal" and first["cause"] == "killed by SIGKILL"
+    assert first["max_step"] == kill_at
+    assert first["steps_lost"] == kill_at - first["restart_from"]
+    assert first["restart_from"] % 5 == 0 and first["restart_from"] <= kill_at
+    assert f"lost {first['steps_lost']} step(s)" in out  # reported at the restart
+    assert "1 restart(s)" in out and "run record:" in out
+
+
+def test_syntax_error_is_not_restarted(tmp_path, child_env):
+    script = tmp_path / "broken.py"
+    script.write_text('import os\nprint("unclosed"\n')
+    rc, out = _run(["--dir", "ck", str(script)], tmp_path, _env(child_env))
+    assert rc == 1, out
+    assert "not restarting" in out and "a restart would fail the same way" in out
+    rec = _record(tmp_path / "ck")
+    assert len(rec["attempts"]) == 1 and rec["outcome"] == "failed"
+
+
+def test_failure_before_the_first_step_is_not_restarted(tmp_path, child_env):
+    rc, out = _run(
+        ["--dir", "ck", str(SCRIPT), "--fail-at", "0", "--fault-attempts", "all"], tmp_path, _env(child_env)
+    )
+    assert rc == 1, out
+    assert "failed before its first training step" in out and "not restarting" in out
+    assert "RuntimeError: injected failure at step 0" in out  # the child's own traceback is shown
+    assert len(_record(tmp_path / "ck")["attempts"]) == 1
+
+
+def test_hang_is_detected_dumped_killed_and_resumed(tmp_path, child_env, reference):
+    rc, out = _run(
+        ["--dir", "ck", "--every", "5", "--hang-timeout", "2", str(SCRIPT), "--total", str(TOTAL),
+         "--hang-at", "17", "--out", "final.pt"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert rc == 0, out
+    assert "the child hangs: no progress past step 17" in out
+    rec = _record(tmp_path / "ck")
+    first = rec["attempts"][0]
+    assert first["category"] == "hang" and rec["restarts"] == 1
+    assert first["stacks"], out
+    stacks = Path(first["stacks"]).read_text()
+    assert "supervised_train.py" in stacks  # the hung frame, from faulthandler
+    assert f"stacks of the hung child in {first['stacks']}" in out
+    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+
+
+def test_crash_loop_rolls_back_once_then_stops(tmp_path, child_env):
+    rc, out = _run(
+        ["--dir", "ck", "--every", "5", str(SCRIPT), "--total", str(TOTAL), "--kill-at", "14",
+         "--fault-attempts", "all", "--step-time", "0.1"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert rc == 4, out
+    assert "rolled back to step 5" in out
+    assert (
+        "crash loop: attempts keep dying at step 14" in out and "rolling back to step 5 did not help" in out
+    )
+    rec = _record(tmp_path / "ck")
+    assert rec["outcome"] == "crash-loop" and len(rec["attempts"]) == 5
+    assert [a["start_step"] for a in rec["attempts"]] == [0, 10, 10, 10, 5]
+    journal = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck")
+    raw = [json.loads(line) for line in journal.path.read_text().splitlines()]
+    rollbacks = [e for e in raw if e["event"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["to_step"] == 5
+
+
+def test_sigterm_child_saves_both_exit_in_grace_and_resume_is_bit_exact(tmp_path, child_env, reference):
+    env = _env(child_env, SMARTCKPT_GRACE_PERIOD="20")
+    proc = _start(
+        ["--dir", "ck", "--every", "1000", str(SCRIPT), "--total", str(TOTAL), "--step-time", "0.1",
+         "--out", "final.pt"],
+        tmp_path, env,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 15 "):
+            break
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert elapsed < 20, out
+    journal = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read()
+    (ckpt,) = journal.records
+    assert ckpt.reason.startswith("preemption") and ckpt.step >= 15
+    assert not (tmp_path / "final.pt").exists()
+    assert _record(tmp_path / "ck")["outcome"] == "stopped"
+    # the child is gone too (its own process group)
+    pid = _record(tmp_path / "ck")["attempts"][0]["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    # resume under smartckpt run: restores that checkpoint and ends where the reference ends
+    rc, out = _run(["--dir", "ck", "--every", "1000", str(SCRIPT), "--total", str(TOTAL), "--out", "final.pt"],
+                   tmp_path, env)  # fmt: skip
+    assert rc == 0, out
+    assert f"start {ckpt.step}" in out
+    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+
+
+def test_python_isolated_mode_warns_that_hooks_are_not_live(tmp_path, child_env):
+    rc, out = _run(
+        ["--dir", "ck", "--", sys.executable, "-I", "-c", "print('ran')"], tmp_path, _env(child_env)
+    )
+    assert rc == 0, out
+    assert "ran" in out
+    assert "-I ignores PYTHONPATH" in out and "hooks are not live" in out and "drop -I" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["missing.py"], {}, "script missing.py does not exist"),
+        ([], {}, "no command"),
+        (["--every", "0", "x.py"], {}, "--every"),
+        (["--", "no-such-command-xyz"], {}, "not found"),
+        (["x.py"], {"SMARTCKPT_MAX_RESTARTS": "-1"}, "max_restarts must be 0 or more"),
+        (["x.py"], {"SMARTCKPT_HANG_TIMEOUT": "soon"}, "hang_timeout must be float"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, child_env, args, env, message):
+    (tmp_path / "x.py").write_text("pass\n")
+    rc, out = _run(["--dir", "ck", *args], tmp_path, _env(child_env, **env), timeout=60)
+    assert rc == 2, out
+    assert message in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1, out
