@@ -37,7 +37,7 @@ from tests.slurm import cluster as sl
 
 TRAIN = ROOT / "examples" / "slurm" / "train.py"
 SBATCH_EXAMPLE = ROOT / "examples" / "slurm" / "train.sbatch"
-STEPS = 300
+STEPS = 200
 SLEEP = 0.05  # seconds per step: the run lasts long enough to be signalled in the middle
 
 # ---------------------------------------------------------------- pure: the job from its environment
