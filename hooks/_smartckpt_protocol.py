@@ -30,7 +30,10 @@ ENV_RUN_DIR = "SMARTCKPT_RUN_DIR"  # the run directory above; its presence arms 
 ENV_RUN_ID = "SMARTCKPT_RUN_ID"
 ENV_ATTEMPT = "SMARTCKPT_ATTEMPT"  # 0 for the first start, then 1, 2, ... after each restart
 ENV_HOOKS_DIR = "SMARTCKPT_HOOKS_DIR"  # the directory holding our sitecustomize (to chain past it)
-ENV_LOADED = "SMARTCKPT_HOOKS_LOADED"  # set inside a process once the hooks ran (guards re-entry)
+# Reserved, not set: the hooks' once-per-process guard is a flag on the child's ``sys`` module
+# (``sys._smartckpt_hooks``), since an inherited variable would stop torchrun workers and other
+# children from running the hooks.
+ENV_LOADED = "SMARTCKPT_HOOKS_LOADED"
 
 STACK_SIGNAL_NAME = "SIGQUIT"  # registered with faulthandler by the hooks; only sent when live
 

@@ -230,6 +230,9 @@ def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
 
 
 def _post_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    if _beat_only is not None:
+        _beat_only.after_step(optimizer)
+        return
     if _off or _zc is None:
         return
     try:
@@ -290,12 +293,17 @@ def start_step() -> int:
 
 def _arm(*, via_start_step: bool) -> _ZeroCode | None:
     global _zc, _off
+    global _beat_only
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
-        logger.warning("zero-code checkpointing covers one process; WORLD_SIZE=%d: standing down", world)
+        logger.warning(
+            "smartckpt: zero-code checkpointing covers one process; WORLD_SIZE=%d: only the heartbeat runs",
+            world,
+        )
         _off = True
+        _beat_only = _StepCounter()
         return None
-    found = discover(with_loaders=via_start_step)
+    found = _discover(with_loaders=via_start_step)
     if not found.optimizers:
         return None
     _zc = _ZeroCode(found)
@@ -307,8 +315,26 @@ def _arm(*, via_start_step: bool) -> _ZeroCode | None:
     return _zc
 
 
+class _StepCounter:
+    """Heartbeat without checkpointing: counts the steps of the first optimizer that steps."""
+
+    def __init__(self) -> None:
+        self.primary: Any = None
+        self.step = 0
+
+    def after_step(self, optimizer: Any) -> None:
+        if self.primary is None:
+            self.primary = optimizer
+        if optimizer is self.primary:
+            self.step += 1
+            beat(self.step)
+
+
+_beat_only: _StepCounter | None = None
+
+
 @dataclass
-class Found:
+class _Found:
     """What zero-code mode checkpoints, in a stable order (names must match across restarts)."""
 
     optimizers: list[Any] = field(default_factory=list)
@@ -318,7 +344,7 @@ class Found:
     loaders: list[Any] = field(default_factory=list)
 
 
-def discover(*, with_loaders: bool) -> Found:
+def _discover(*, with_loaders: bool) -> _Found:
     """Find the training objects among the live ones. Optimizers are ordered by their parameters'
     shapes (stable across runs of one script), modules by where their parameters appear in the
     optimizers, schedulers by their optimizer; only top-level modules are kept."""
@@ -354,7 +380,7 @@ def discover(*, with_loaders: bool) -> Found:
     scheds = [s for s in scheds if id(getattr(s, "optimizer", None)) in opt_index and id(s) not in children]
     scheds.sort(key=lambda s: opt_index[id(s.optimizer)])
     scalers = [s for s in scalers if s.is_enabled()]
-    return Found(opts, top, scheds, scalers, loaders)
+    return _Found(opts, top, scheds, scalers, loaders)
 
 
 def _names(base: str, objs: list[Any]) -> list[str]:
@@ -442,7 +468,7 @@ class _BoundaryModule:
 
 
 class _ZeroCode:
-    def __init__(self, found: Found) -> None:
+    def __init__(self, found: _Found) -> None:
         global _creating_own
         from smartckpt_cli.config import load_settings
         from smartckpt_cli.manager import CheckpointManager

@@ -381,3 +381,70 @@ def test_script_with_its_own_manager_is_not_instrumented_twice(tmp_path, python,
     assert (
         beat is not None and beat.step == 12 and beat.committed_step in (5, 10) and beat.state == proto.DONE
     )
+
+
+def test_zero_code_sigterm_saves_and_resumes_bit_exact(tmp_path, python, child_env, plain_reference):
+    """SIGTERM (SLURM's warning, scancel): the manager's preemption handling takes a blocking
+    checkpoint at the next step boundary and the process ends by the signal; the rerun resumes
+    from exactly that step."""
+    ref_trace, ref_state = plain_reference
+    env = _zero_code_env(child_env, tmp_path)
+    env["SMARTCKPT_EVERY_STEPS"] = "1000"  # no scheduled save: only the preemption one
+    args = [
+        python,
+        str(SCRIPT),
+        "--total",
+        str(TOTAL),
+        "--out",
+        str(tmp_path / "final.pt"),
+        "--step-time",
+        "0.05",
+    ]
+    proc = subprocess.Popen(
+        args, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    for ln in proc.stdout:
+        if ln.startswith("step 7 "):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]
+    last = max(_trace(rest) or {7: ""})
+    journal = [json.loads(ln) for ln in (tmp_path / "store" / "journal.jsonl").read_text().splitlines()]
+    commits = [r for r in journal if r["event"] == "commit"]
+    assert len(commits) == 1 and commits[0]["reason"].startswith("preemption") and commits[0]["step"] == last
+
+    env[proto.ENV_ATTEMPT] = "1"
+    res = _run(args, env, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"start {last}" in res.stdout
+    trace = _trace(res.stdout)
+    assert all(trace[n] == ref_trace[n] for n in trace)
+    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+
+
+def test_processes_that_do_not_train_stay_untouched(tmp_path, python, child_env):
+    """torch imported, a backward pass, no optimizer step (a DataLoader worker, the torchrun
+    agent): hooks live, but no heartbeat, no manager, no store."""
+    env = _zero_code_env(child_env, tmp_path)
+    code = "import torch\nm = torch.nn.Linear(2, 2)\nm(torch.randn(3, 2)).sum().backward()\nprint('ok')\n"
+    res = _run([python, "-c", code], env, tmp_path)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+    assert len(_files(tmp_path / "run", "hooks")) == 1
+    assert _files(tmp_path / "run", "heartbeat") == []
+    assert not (tmp_path / "store").exists()
+
+
+def test_several_ranks_only_beat(tmp_path, python, child_env):
+    """Under WORLD_SIZE > 1 zero-code checkpointing stands down (one store, one writer) but the
+    heartbeat still counts steps for hang detection."""
+    env = _zero_code_env(child_env, tmp_path)
+    env.update(WORLD_SIZE="2", RANK="1")
+    res = _run([python, str(SCRIPT), "--total", "6"], env, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "start 0" in res.stdout and "only the heartbeat runs" in res.stderr
+    assert not (tmp_path / "store").exists()
+    (hb,) = _files(tmp_path / "run", "heartbeat")
+    beat = proto.read_heartbeat(str(hb), int(hb.name.split(".")[1]))
+    assert beat is not None and beat.step == 6 and beat.rank == 1 and beat.state == proto.DONE
