@@ -19,6 +19,7 @@ __all__ = [
     "StoreLockedError",
     "StoreNotFoundError",
     "UnsupportedValueError",
+    "UsageError",
 ]
 
 EXIT_ERROR = 1  # the operation failed (a corrupt checkpoint, no usable checkpoint, ...)
@@ -32,6 +33,12 @@ class SmartckptError(Exception):
 
 
 class ConfigError(SmartckptError):
+    exit_code = EXIT_USAGE
+
+
+class UsageError(SmartckptError):
+    """A command's arguments do not fit the store (a step that does not exist, nothing to undo)."""
+
     exit_code = EXIT_USAGE
 
 

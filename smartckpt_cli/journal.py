@@ -12,6 +12,7 @@ The first line declares the format and version; an unknown version is refused.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -25,9 +26,11 @@ import xxhash
 from smartckpt_cli._faults import crash, fault_active, fault_point
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.storage.base import Storage
+from smartckpt_cli.storage.local import file_lock
 
 __all__ = [
     "JOURNAL",
+    "JOURNAL_LOCK",
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
     "CheckpointRecord",
@@ -39,6 +42,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 JOURNAL = "journal.jsonl"
+JOURNAL_LOCK = "journal.lock"  # serialises appends across processes (a run, the CLI, the supervisor)
 JOURNAL_FORMAT = "smartckpt-journal"
 JOURNAL_VERSION = 1
 MANIFEST_FORMAT = "smartckpt-manifest"
@@ -179,10 +183,17 @@ class Journal:
         return store_id
 
     def read(self) -> JournalState:
+        return self.read_events()[0]
+
+    def read_events(self, *, consistent: bool = False) -> tuple[JournalState, list[dict[str, Any]]]:
+        """The folded state and every readable event, in journal order. With ``consistent``,
+        the file is read under a shared ``journal.lock`` (when that lock file exists; nothing is
+        created), so a line another process is appending at this moment is never seen half
+        written and reported as torn."""
         try:
-            raw = self.path.read_bytes()
+            raw = self._read_bytes(consistent)
         except FileNotFoundError:
-            return JournalState(None, [], [], [])
+            return JournalState(None, [], [], []), []
         except OSError as err:
             raise JournalError(f"cannot read journal {self.path}: {err.strerror}") from err
         lines = raw.split(b"\n")
@@ -212,7 +223,20 @@ class Journal:
         for p in problems:
             logger.warning("journal: %s", p)
         store_id, records, failures = fold(events)
-        return JournalState(store_id, records, problems, failures)
+        return JournalState(store_id, records, problems, failures), events
+
+    def _read_bytes(self, consistent: bool) -> bytes:
+        if not consistent:
+            return self.path.read_bytes()
+        try:
+            fd = os.open(self.path.parent / JOURNAL_LOCK, os.O_RDONLY)
+        except OSError:
+            return self.path.read_bytes()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return self.path.read_bytes()
+        finally:
+            os.close(fd)
 
     def _drop_torn_tail(self) -> None:
         """A writer that died mid-append leaves an unterminated last line. It never committed
@@ -237,13 +261,18 @@ class Journal:
         )
 
     def append(self, event: dict[str, Any]) -> None:
-        """Append one event durably. For a ``commit`` this line *is* the commit point."""
+        """Append one event durably. For a ``commit`` this line *is* the commit point.
+
+        Appends hold ``journal.lock`` exclusively: the training run, ``smartckpt prune`` /
+        ``rollback`` and the supervisor may append to the same journal, and cutting a torn tail
+        must never cut another process's line that is being written at that moment."""
         line = encode_line(event)
-        self._drop_torn_tail()
-        if fault_active("journal.half_line"):
-            self.storage.append(JOURNAL, line[: len(line) // 2])
-            crash()
-        self.storage.append(JOURNAL, line)
+        with file_lock(self.path.parent / JOURNAL_LOCK):
+            self._drop_torn_tail()
+            if fault_active("journal.half_line"):
+                self.storage.append(JOURNAL, line[: len(line) // 2])
+                crash()
+            self.storage.append(JOURNAL, line)
         fault_point("journal.fsynced")
 
 

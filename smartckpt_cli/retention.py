@@ -21,7 +21,7 @@ from smartckpt_cli.storage.base import Storage
 from smartckpt_cli.storage.local import file_lock
 from smartckpt_cli.store import BlobStore
 
-__all__ = ["GC_LOCK", "collect_garbage", "prune", "select_prunable"]
+__all__ = ["GC_LOCK", "collect_garbage", "collect_garbage_locked", "prune", "select_prunable"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +73,27 @@ def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *,
 
 def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_root: Path) -> int:
     """Remove unreferenced blobs, uncommitted manifests and dead temp files; returns bytes freed."""
-    freed = 0
     with file_lock(meta_root / GC_LOCK):
-        state = journal.read()
-        kept = [r for r in state.records if not r.pruned]
-        kept_manifests = {r.manifest for r in kept}
-        referenced: set[str] = set()
-        for rec in kept:
-            referenced |= _manifest_blobs(storage, rec.manifest)
-        for name in storage.list("manifests"):
-            rel = f"manifests/{name}"
-            if rel not in kept_manifests:
-                storage.remove(rel)
-        for bid in list(blobs.all_ids()):
-            if bid not in referenced:
-                freed += blobs.size(bid)
-                blobs.remove(bid)
-        for rel in blobs.leftovers():
+        return collect_garbage_locked(storage, blobs, journal)
+
+
+def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal) -> int:
+    """:func:`collect_garbage` for a caller that already holds ``gc.lock`` exclusively."""
+    freed = 0
+    state = journal.read()
+    kept = [r for r in state.records if not r.pruned]
+    kept_manifests = {r.manifest for r in kept}
+    referenced: set[str] = set()
+    for rec in kept:
+        referenced |= _manifest_blobs(storage, rec.manifest)
+    for name in storage.list("manifests"):
+        rel = f"manifests/{name}"
+        if rel not in kept_manifests:
             storage.remove(rel)
+    for bid in list(blobs.all_ids()):
+        if bid not in referenced:
+            freed += blobs.size(bid)
+            blobs.remove(bid)
+    for rel in blobs.leftovers():
+        storage.remove(rel)
     return freed

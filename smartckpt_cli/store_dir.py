@@ -42,13 +42,21 @@ def open_store(
     root = Path(directory)
     meta_root = Path(meta_dir) if meta_dir is not None else root
     for path, what in ((root, "checkpoint directory"), (meta_root, "meta directory")):
-        if path.exists() and not path.is_dir():
+        try:
+            exists, is_dir = path.exists(), path.is_dir()
+        except PermissionError:
+            raise NotAStoreError(f"cannot open {what} {path}: permission denied") from None
+        if exists and not is_dir:
             raise NotAStoreError(f"{what} {path} is not a directory")
-        if not path.exists():
+        if not exists:
             if not create:
                 raise StoreNotFoundError(f"{what} {path} does not exist")
             path.mkdir(parents=True, exist_ok=True)
-    if not create and not (meta_root / JOURNAL).exists():
+    try:
+        has_journal = (meta_root / JOURNAL).exists()
+    except PermissionError:
+        raise NotAStoreError(f"cannot open {meta_root}: permission denied") from None
+    if not create and not has_journal:
         raise NotAStoreError(f"{meta_root} is not a smartckpt checkpoint store (no {JOURNAL})")
     storage = LocalStorage(root)
     meta_storage = LocalStorage(meta_root)

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from smartckpt_cli.cli import completions, config_cmd, export, inspect_cmd, prune, rollback, verify
 from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
-from smartckpt_cli.store_dir import open_store
 
 app = typer.Typer(
     name="smartckpt",
@@ -54,73 +54,15 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
-@app.command("inspect")
-def inspect_cmd(
-    directory: DirArg,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
-    """List the checkpoints of a store, newest first.
-
-    Example: smartckpt inspect ./checkpoints
-    """
-    store = open_store(directory)
-    state = store.journal.read()
-    rows = sorted(state.records, key=lambda r: r.position, reverse=True)
-    if as_json:
-        out = [
-            {
-                "step": r.step,
-                "id": r.id,
-                "reason": r.reason,
-                "health": r.health,
-                "bytes_new": r.bytes_new,
-                "pruned": r.pruned,
-                "rolled_back": r.rolled_back,
-                "manifest": r.manifest,
-            }
-            for r in rows
-        ]
-        typer.echo(json.dumps({"checkpoints": out, "journal_problems": state.problems}, indent=2))
-        return
-    table = Table(title=f"checkpoints in {escape(str(directory))}")
-    for col in ("step", "id", "reason", "health", "new bytes", "state"):
-        table.add_column(col)
-    for r in rows:
-        st = "pruned" if r.pruned else "rolled back" if r.rolled_back else "live"
-        table.add_row(str(r.step), r.id, r.reason, r.health, f"{r.bytes_new:,}", st)
-    console.print(table)
-    for p in state.problems:
-        typer.echo(f"warning: {p}", err=True)
-
-
-@app.command()
-def verify(
-    directory: DirArg,
-    step: Annotated[int | None, typer.Option(help="Verify this step only.")] = None,
-    all_: Annotated[bool, typer.Option("--all", help="Verify every live checkpoint.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
-    """Re-hash and decode checkpoints; exit 1 naming each corrupt one.
-
-    Example: smartckpt verify ./checkpoints --all
-    """
-    from smartckpt_cli.verify import verify_store
-
-    store = open_store(directory)
-    results, problems = verify_store(store, step=step, all_checkpoints=all_)
-    if as_json:
-        typer.echo(
-            json.dumps({"results": [r.__dict__ for r in results], "journal_problems": problems}, indent=2)
-        )
-    else:
-        for r in results:
-            # Plain lines, never wrapped: operators grep them for blob ids.
-            typer.echo(f"step {r.step} ({r.id}): " + ("ok" if r.ok else f"CORRUPT: {r.problem}"))
-        for p in problems:
-            typer.echo(f"journal: {p}")
-        if not results:
-            typer.echo("no checkpoint to verify")
-    raise typer.Exit(0 if all(r.ok for r in results) and not problems else 1)
+# The journal commands: one module each (rendering in cli/, deciding in smartckpt_cli/).
+app.command("inspect")(inspect_cmd.inspect)
+app.command("ls", hidden=True)(inspect_cmd.inspect)
+app.command("verify")(verify.verify)
+app.command("prune")(prune.prune)
+app.command("rollback")(rollback.rollback)
+app.command("export")(export.export)
+app.add_typer(config_cmd.config_app, name="config")
+app.command("completions")(completions.completions)
 
 
 @app.command()

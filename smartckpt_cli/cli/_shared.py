@@ -1,0 +1,73 @@
+"""What the journal commands share: the directory argument, consoles, sizes, the progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+__all__ = ["DirArg", "err", "human", "out", "progress_bar", "say"]
+
+DirArg = Annotated[Path, typer.Argument(help="Checkpoint store directory.", show_default=False)]
+
+
+def out() -> Console:
+    """stdout; tables keep their width (160 columns) when piped to a file or a pager."""
+    console = Console(highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        console.width = max(console.width, 160)
+    return console
+
+
+def err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def say(line: str, *, error: bool = False) -> None:
+    """One plain line (no markup: paths and step ids are printed as they are)."""
+    typer.echo(line, err=error)
+
+
+def human(n: int | float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A byte progress bar on stderr when it is a terminal; None (no output) otherwise."""
+    console = err()
+    if not console.is_terminal:
+        yield None
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update

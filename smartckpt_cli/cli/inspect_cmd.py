@@ -1,0 +1,149 @@
+"""``smartckpt inspect`` (alias ``ls``): the checkpoints of a store, or one manifest in detail."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from smartckpt_cli.cli._shared import DirArg, human, out, say
+
+__all__ = ["inspect"]
+
+
+def inspect(
+    directory: DirArg,
+    step: Annotated[
+        int | None, typer.Option("--step", help="Show this checkpoint's manifest, tensor by tensor.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List the checkpoints of a store, newest first (alias: ls).
+
+    One row per checkpoint: step, UTC time, trigger reason and score, health, tiers, optimizer
+    precision, bytes on disk that only it holds vs bytes shared with other checkpoints, its last
+    verification, and whether it is live, rolled back or pruned. '>' marks what a resume loads.
+
+    \b
+    Examples:
+      smartckpt inspect ./checkpoints
+      smartckpt ls ./checkpoints --step 1200          (one manifest, tensor by tensor)
+      smartckpt inspect ./checkpoints --json | jq '.checkpoints[0].step'
+
+    Exit codes: 0 listed, 1 unreadable journal, 2 bad input (not a store, no such step).
+    """
+    from smartckpt_cli.catalog import describe, list_checkpoints
+    from smartckpt_cli.store_dir import open_store
+
+    store = open_store(directory)
+    if step is not None:
+        detail = describe(store, step)
+        if as_json:
+            typer.echo(json.dumps(detail.to_json(), indent=2))
+            return
+        _render_detail(detail)
+        return
+    catalog = list_checkpoints(store)
+    if as_json:
+        typer.echo(json.dumps(catalog.to_json(), indent=2))
+        return
+    table = Table(title=f"checkpoints in {escape(str(directory))}", title_justify="left")
+    for col, justify in (
+        ("", "left"),
+        ("step", "right"),
+        ("time (UTC)", "left"),
+        ("reason", "left"),
+        ("health", "left"),
+        ("tiers", "left"),
+        ("precision", "left"),
+        ("unique", "right"),
+        ("shared", "right"),
+        ("verified", "left"),
+        ("state", "left"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in catalog.rows:
+        reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
+        verified = {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified]
+        on_disk = r.state != "pruned" and r.manifest_problem is None
+        table.add_row(
+            ">" if r.restore_target else "",
+            str(r.step),
+            escape((r.utc or "-").replace("T", " ").rstrip("Z")),
+            escape(reason or "-"),
+            escape(r.health if r.manifest_problem is None else "MANIFEST: " + r.manifest_problem),
+            "+".join(r.tiers) if on_disk else "-",
+            r.precision if on_disk else "-",
+            human(r.bytes_unique) if on_disk else "-",
+            human(r.bytes_shared) if on_disk else "-",
+            escape(verified),
+            r.state,
+        )
+    out().print(table)
+    if not catalog.rows:
+        say("no checkpoint committed yet")
+    for p in catalog.journal_problems:
+        say(f"warning: journal: {p}", error=True)
+    if catalog.failures:
+        last = catalog.failures[-1]
+        say(f"{len(catalog.failures)} failed save(s); last: {last.get('error', '?')}", error=True)
+
+
+def _render_detail(detail: object) -> None:
+    from smartckpt_cli.catalog import ManifestDetail
+
+    assert isinstance(detail, ManifestDetail)
+    r = detail.row
+    console = out()
+    console.print(
+        f"step {r.step} ({r.id}), {r.state}, health {r.health}, saved {r.utc or '?'}, reason "
+        f"{r.reason or '-'}" + (f" (score {r.score:.3f})" if isinstance(r.score, int | float) else ""),
+        markup=False,
+    )
+    console.print(
+        f"manifest {detail.manifest_path}; {human(r.bytes_total)} on disk, {human(r.bytes_unique)} "
+        f"unique, {human(r.bytes_shared)} shared; verified: {r.verified}"
+        + (f" ({r.verified_utc})" if r.verified_utc else ""),
+        markup=False,
+    )
+    console.print("objects: " + ", ".join(f"{n} ({k})" for n, k in detail.objects.items()), markup=False)
+    versions = detail.meta.get("versions") or {}
+    if versions or detail.meta.get("host"):
+        console.print(
+            f"host {detail.meta.get('host', '?')}, world size {detail.meta.get('world_size', '?')}, "
+            f"git {detail.meta.get('git_commit') or '-'}, "
+            + ", ".join(f"{k} {v}" for k, v in versions.items()),
+            markup=False,
+        )
+    table = Table(title_justify="left")
+    for col, justify in (
+        ("tensor", "left"),
+        ("tier", "left"),
+        ("dtype", "left"),
+        ("shape", "left"),
+        ("stored as", "left"),
+        ("chunks", "right"),
+        ("raw", "right"),
+        ("on disk", "right"),
+    ):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for e in detail.entries:
+        stored = e.stored_dtype + ("" if e.transform == "none" else f" ({e.transform})")
+        if e.patched:
+            stored += f" +{e.patched} exact"
+        table.add_row(
+            escape(e.key),
+            e.tier,
+            e.dtype,
+            "x".join(map(str, e.shape)) or "scalar",
+            stored,
+            str(e.chunks),
+            human(e.bytes_raw),
+            human(e.bytes_stored),
+        )
+    console.print(table)
+    if detail.not_stored:
+        console.print(f"not stored (L4): {', '.join(detail.not_stored)}", markup=False)
