@@ -289,7 +289,7 @@ def test_cli_verify_names_the_corrupt_blob(store: Path) -> None:
     assert result.exit_code == 1, result.output
     # rich wraps at 80 columns without a terminal: compare with the wrapping undone
     text = " ".join(result.output.split())
-    assert re.search(rf"step 2 \(\w+\): CORRUPT: step 2: L2 entry \S+: hash mismatch in blob {bid}", text)
+    assert re.search(rf"step 2 \(\w+\): CORRUPT: L2 entry \S+: hash mismatch in blob {bid}", text)
     assert re.search(r"step 1 \(\w+\): ok", text), text
 
 
