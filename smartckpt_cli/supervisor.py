@@ -22,24 +22,22 @@ current, which the CLI renders as a live panel or as log lines.
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from smartckpt_cli.config import ENV_PREFIX, Settings
+from smartckpt_cli.config import Settings
+from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
+from smartckpt_cli.runchild import RunDir, alive, child_env, hooks_dir, interpreter_flags_warning
 from smartckpt_cli.runpolicy import (
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
@@ -51,7 +49,7 @@ from smartckpt_cli.runpolicy import (
 )
 from smartckpt_cli.runrecord import RUNS_DIR, AttemptRecord, RunRecord, StoreView, learned_mtbf, new_run_id
 
-__all__ = ["RunOptions", "RunState", "Supervisor", "hooks_dir", "interpreter_flags_warning"]
+__all__ = ["RunOptions", "RunState", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +59,6 @@ HOOKS_GRACE = 20.0  # seconds after start without a hooks file before warning th
 STACK_WAIT = 5.0  # seconds to wait for a stack dump after SIGQUIT
 
 Emit = Callable[[str, str], None]
-
-
-def hooks_dir() -> Path:
-    """The directory holding the hooks' ``sitecustomize.py`` (first on the child's PYTHONPATH)."""
-    return Path(proto.__file__).resolve().parent
 
 
 @dataclass
@@ -101,25 +94,6 @@ class RunState:
     started: float = field(default_factory=time.time)
 
 
-def interpreter_flags_warning(command: list[str]) -> str | None:
-    """``python -I/-E/-S`` ignores PYTHONPATH or site, so the hooks cannot load: say how to fix."""
-    if not command or not Path(command[0]).name.startswith("python"):
-        return None
-    for arg in command[1:]:
-        if not arg.startswith("-") or arg.startswith("--") or arg in ("-m", "-c"):
-            break
-        bad = [f"-{c}" for c in arg[1:] if c in "IES"]
-        if bad:
-            return (
-                f"{command[0]} {' '.join(bad)} ignores PYTHONPATH or site-packages, so smartckpt's hooks "
-                "are not live in the child (no zero-code checkpoints, no heartbeat, no hang detection, "
-                f"no error file); drop {' '.join(bad)}, or create a CheckpointManager in the script"
-            )
-        if arg[1:].startswith(("X", "W")):
-            continue
-    return None
-
-
 class Supervisor:
     def __init__(self, options: RunOptions, on_event: Emit | None = None) -> None:
         self.opts = options
@@ -146,6 +120,7 @@ class Supervisor:
 
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._slurm_job()
         self._start_position = self.store.position()
         warn = interpreter_flags_warning(self.opts.command)
         if warn:
@@ -159,6 +134,23 @@ class Supervisor:
             self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
             self._save_record()
             self.state.phase = "finished"
+
+    def _slurm_job(self) -> None:
+        """Under SLURM the first attempt number is SLURM_RESTART_COUNT (one record per job run)."""
+        try:
+            slurm = importlib.import_module("smartckpt_cli.slurm")
+            job = slurm.job_from_env()
+        except (SmartckptError, ImportError) as err:
+            if self.s.requeue:
+                self.emit("warning", f"requeue: {err}")
+            return
+        if job is None:
+            if self.s.requeue:
+                self.emit("warning", "requeue is on but this is not a SLURM job: nothing will be requeued")
+            return
+        if self.opts.first_attempt == 0:
+            self.opts.first_attempt = job.restart_count
+        self.emit("info", f"SLURM job {job.requeue_target}, run {job.restart_count} (SLURM_RESTART_COUNT)")
 
     def _loop(self) -> int:
         failures_in_row = 0
@@ -215,15 +207,16 @@ class Supervisor:
             self.state.restarts += 1
 
     def _preempted(self, code: int, cause: str) -> int:
-        """The child saved and exited on USR1/USR2: requeue the job (SLURM) when asked to."""
+        """The child saved and exited after USR1/USR2: requeue the SLURM job when asked to
+        (``smartckpt_cli.slurm``'s order of calls), then exit 0 and let SLURM end the step."""
         if not self.s.requeue:
             return self._finish("preempted", code, f"{cause}; not requeued (requeue is off)")
         try:
             slurm = importlib.import_module("smartckpt_cli.slurm")
-            slurm.requeue()
-        except Exception as err:  # no SLURM here, scontrol failed...: say so, keep the code
+            done = slurm.requeue()
+        except (SmartckptError, ImportError) as err:
             return self._finish("preempted", code, f"{cause}; requeue failed: {err}", "error")
-        return self._finish("requeued", 0, f"{cause}; job requeued")
+        return self._finish("requeued", 0, f"{cause}; job {done.target} requeued")
 
     def _finish(self, outcome: str, code: int, message: str, level: str = "info") -> int:
         self.record.outcome, self.record.exit_code = outcome, code
@@ -234,40 +227,25 @@ class Supervisor:
 
     # ------------------------------------------------------------------ one attempt
 
-    def _env(self, attempt: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != proto.ENV_LOADED}
-        for key, source in self.opts.sources.items():
-            if source.startswith("env "):
-                continue  # already in the environment
-            value = getattr(self.s, key)
-            if key == "tiers":
-                env[ENV_PREFIX + "TIERS"] = yaml.safe_dump(
-                    [{k: v for k, v in vars(r).items() if v is not None} for r in value]
-                )
-            elif value is not None:
-                env[ENV_PREFIX + key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
-        env[ENV_PREFIX + "DIR"] = str(self.dir)
-        if "mtbf" not in self.opts.sources:
-            mtbf = learned_mtbf(self.dir, self.record)
-            if mtbf is not None:
-                env[ENV_PREFIX + "MTBF"] = f"{mtbf:.1f}"
-                self.record.mtbf = mtbf
-        env[proto.ENV_RUN_DIR] = str(self.run_dir) + os.sep
-        env[proto.ENV_RUN_ID] = self.run_id
-        env[proto.ENV_ATTEMPT] = str(attempt)
-        hdir = str(hooks_dir())
-        env[proto.ENV_HOOKS_DIR] = hdir
-        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != hdir]
-        env["PYTHONPATH"] = os.pathsep.join([hdir, *rest])
-        return env
-
     def _attempt(self, attempt: int) -> tuple[AttemptRecord, AttemptEnd]:
         start_step = self.store.newest_step()
         position = self.store.position()
-        before = set(os.listdir(self.run_dir))
-        oom_before = oom_kills()
-        env = self._env(attempt)
         t_start = time.time()
+        files = RunDir(self.run_dir)
+        files.mark(t_start)
+        oom_before = oom_kills()
+        mtbf = None if "mtbf" in self.opts.sources else learned_mtbf(self.dir, self.record)
+        self.record.mtbf = mtbf if mtbf is not None else self.record.mtbf
+        env = child_env(
+            dict(os.environ),
+            self.s,
+            self.opts.sources,
+            store_dir=self.dir,
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            attempt=attempt,
+            mtbf=mtbf,
+        )
         proc = subprocess.Popen(self.opts.command, env=env, start_new_session=True)
         att = AttemptRecord(attempt, proc.pid, t_start, start_step)
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
@@ -293,8 +271,8 @@ class Supervisor:
                 self.emit("warning", f"grace period of {self.s.grace_period:g} s over: killing the child")
                 _killpg(proc.pid, signal.SIGKILL)
                 self._stopping_since = float("inf")
-            beats = self._beats(before, t_start)
-            hooks = self._hooks_pids(before)
+            beats = files.beats()
+            hooks = files.hooks_pids()
             self.state.hooks_live = bool(hooks)
             if beats:
                 self._observe(beats, clock, now, att, step_seen)
@@ -319,7 +297,7 @@ class Supervisor:
             self.state.hang_timeout = clock.timeout() if beats else None
             if beats and self._stop is None and not hung and clock.hung(now):
                 hung = True
-                self._hang_kill(proc.pid, clock, att, hooks)
+                self._hang_kill(proc.pid, clock, att, hooks, files)
             if now - last_sample >= 1.0:
                 last_sample = now
                 usage = tree.sample()
@@ -330,9 +308,10 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
-        beats = self._beats(before, t_start)
-        if beats:
-            self._observe(beats, clock, time.monotonic(), att, step_seen)
+        last = files.max_step()
+        if last is not None:
+            att.max_step = max(att.max_step or 0, last)
+            step_seen.setdefault(last, att.ended)
         self._step_seen = step_seen
         self._last_pids = pids
         # Whatever is left of the dead attempt's group (DataLoader workers, torchrun workers)
@@ -342,7 +321,7 @@ class Supervisor:
         committed = self.store.commits_since(position)
         att.max_committed = max([*committed, start_step])
         self._checkpoint_seen(position)
-        error = self._error(before)
+        error = files.error()
         att.error = error
         progressed: bool | None = None
         if att.max_step is not None:
@@ -376,64 +355,28 @@ class Supervisor:
         att.max_step = max(att.max_step or 0, step)
         seen.setdefault(step, time.time())
 
-    def _beats(self, before: set[str], t_start: float) -> list[proto.Beat]:
-        """This attempt's heartbeats, one per live process that writes one."""
-        out = []
-        for path in glob.glob(os.path.join(self.run_dir, "heartbeat.*")):
-            name = os.path.basename(path)
-            try:
-                pid = int(name.split(".", 1)[1])
-            except ValueError:
-                continue
-            if name in before and os.path.getmtime(path) < t_start:
-                continue
-            beat = proto.read_heartbeat(path, pid)
-            if beat is not None and (beat.state != proto.DONE):
-                out.append(beat)
-        return out
-
-    def _hooks_pids(self, before: set[str]) -> list[int]:
-        pids = []
-        for path in glob.glob(os.path.join(self.run_dir, "hooks.*.json")):
-            name = os.path.basename(path)
-            if name in before:
-                continue
-            with contextlib.suppress(ValueError):
-                pids.append(int(name.split(".")[1]))
-        return pids
-
-    def _error(self, before: set[str]) -> dict[str, Any] | None:
-        """The error file of this attempt (the first written: the root cause, not a rank
-        that failed because another one did)."""
-        found = []
-        for path in glob.glob(os.path.join(self.run_dir, "error.*.json")):
-            if os.path.basename(path) in before:
-                continue
-            data = proto.read_json(path)
-            if data is not None:
-                found.append((os.path.getmtime(path), data))
-        return min(found, key=lambda f: f[0])[1] if found else None
-
     def _checkpoint_seen(self, position: int) -> None:
         newest = self.store.newest_step()
         if newest != self.state.checkpoint_step:
             self.state.checkpoint_step, self.state.checkpoint_seen = newest, time.time()
         self.state.checkpoints_taken = len(self.store.commits_since(self._start_position))
 
-    def _hang_kill(self, pid: int, clock: HangClock, att: AttemptRecord, hooks: list[int]) -> None:
+    def _hang_kill(
+        self, pid: int, clock: HangClock, att: AttemptRecord, hooks: list[int], files: RunDir
+    ) -> None:
         self.emit(
             "warning",
             f"the child hangs: no progress past step {clock.last_step} for "
             f"{clock.timeout() or 0:.0f} s (hang timeout); dumping stacks and killing it",
         )
-        live = [p for p in hooks if _alive(p)]
+        live = [p for p in hooks if alive(p)]
         for p in live:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, getattr(signal, proto.STACK_SIGNAL_NAME))
         dumps: list[str] = []
         deadline = time.monotonic() + STACK_WAIT
         while live and time.monotonic() < deadline and len(dumps) < len(live):
-            dumps = [proto.stacks_path(str(self.run_dir), p) for p in live]
+            dumps = [files.stacks(p) for p in live]
             dumps = [d for d in dumps if os.path.exists(d) and os.path.getsize(d) > 0]
             time.sleep(0.2)
         time.sleep(0.3)  # let faulthandler finish writing
@@ -561,18 +504,3 @@ class Supervisor:
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def python_command(args: list[str]) -> list[str]:
-    """``train.py ...`` -> ``<this python> train.py ...``; anything else unchanged."""
-    if args and args[0].endswith(".py"):
-        return [sys.executable, *args]
-    return list(args)

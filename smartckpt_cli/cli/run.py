@@ -20,8 +20,9 @@ from rich.table import Table
 
 from smartckpt_cli.config import load_settings
 from smartckpt_cli.errors import ConfigError
+from smartckpt_cli.runchild import python_command
 from smartckpt_cli.runpolicy import parse_every
-from smartckpt_cli.supervisor import RunOptions, RunState, Supervisor, python_command
+from smartckpt_cli.supervisor import RunOptions, RunState, Supervisor
 
 __all__ = ["run_command"]
 

@@ -1,0 +1,154 @@
+"""The training child as ``smartckpt run`` sees it: its command, its environment, and the files
+it leaves in the run directory (see ``hooks/_smartckpt_protocol.py`` for the contract).
+
+Pure helpers and small readers, no policy: the supervisor decides what the files mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from smartckpt_cli.config import ENV_PREFIX, Settings
+from smartckpt_cli.hooks import _smartckpt_protocol as proto
+
+__all__ = ["RunDir", "alive", "child_env", "hooks_dir", "interpreter_flags_warning", "python_command"]
+
+
+def hooks_dir() -> Path:
+    """The directory holding the hooks' ``sitecustomize.py`` (first on the child's PYTHONPATH)."""
+    return Path(proto.__file__).resolve().parent
+
+
+def python_command(args: list[str]) -> list[str]:
+    """``train.py ...`` -> ``<this python> train.py ...``; anything else unchanged."""
+    if args and args[0].endswith(".py"):
+        return [sys.executable, *args]
+    return list(args)
+
+
+def interpreter_flags_warning(command: list[str]) -> str | None:
+    """``python -I/-E/-S`` ignores PYTHONPATH or site, so the hooks cannot load: say how to fix."""
+    if not command or not Path(command[0]).name.startswith("python"):
+        return None
+    for arg in command[1:]:
+        if not arg.startswith("-") or arg.startswith("--") or arg in ("-m", "-c"):
+            break
+        if arg[1:2] in ("X", "W"):  # -X opt, -W arg: their letters are not flags
+            continue
+        bad = [f"-{c}" for c in arg[1:] if c in "IES"]
+        if bad:
+            flags = " ".join(bad)
+            return (
+                f"{command[0]} {flags} ignores PYTHONPATH or site-packages, so smartckpt's hooks are not "
+                "live in the child (no zero-code checkpoints, no heartbeat, no hang detection, no error "
+                f"file); drop {flags}, or create a CheckpointManager in the script"
+            )
+    return None
+
+
+def child_env(
+    base: dict[str, str],
+    settings: Settings,
+    sources: dict[str, str],
+    *,
+    store_dir: Path,
+    run_dir: Path,
+    run_id: str,
+    attempt: int,
+    mtbf: float | None,
+) -> dict[str, str]:
+    """The child's environment: the caller's, the settings that did not come from it (so the
+    child's own ``load_settings`` sees what ``run`` saw), the learned MTBF and the handshake."""
+    env = {k: v for k, v in base.items() if k != proto.ENV_LOADED}
+    for key, source in sources.items():
+        if source.startswith("env "):
+            continue  # already in the environment
+        value = getattr(settings, key)
+        if key == "tiers":
+            rules = [{k: v for k, v in vars(r).items() if v is not None} for r in value]
+            env[ENV_PREFIX + "TIERS"] = yaml.safe_dump(rules)
+        elif value is not None:
+            env[ENV_PREFIX + key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    env[ENV_PREFIX + "DIR"] = str(store_dir)
+    if mtbf is not None and "mtbf" not in sources:
+        env[ENV_PREFIX + "MTBF"] = f"{mtbf:.1f}"
+    env[proto.ENV_RUN_DIR] = str(run_dir) + os.sep
+    env[proto.ENV_RUN_ID] = run_id
+    env[proto.ENV_ATTEMPT] = str(attempt)
+    hdir = str(hooks_dir())
+    env[proto.ENV_HOOKS_DIR] = hdir
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != hdir]
+    env["PYTHONPATH"] = os.pathsep.join([hdir, *rest])
+    return env
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunDir:
+    """One attempt's view of the run directory: files that were there before ``mark()`` belong
+    to earlier attempts and are ignored (unless rewritten since, for a reused pid)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._before: set[str] = set()
+        self._since = 0.0
+
+    def mark(self, since: float) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._before, self._since = set(os.listdir(self.path)), since
+
+    def _files(self, pattern: str) -> list[tuple[str, int]]:
+        out = []
+        for path in glob.glob(os.path.join(self.path, pattern)):
+            name = os.path.basename(path)
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(name.split(".")[1])
+                if name not in self._before or os.path.getmtime(path) >= self._since:
+                    out.append((path, pid))
+        return out
+
+    def beats(self) -> list[proto.Beat]:
+        """The heartbeats of this attempt's live processes (a finished or dead rank's last beat
+        would look like a hang)."""
+        out = []
+        for path, pid in self._files("heartbeat.*"):
+            beat = proto.read_heartbeat(path, pid)
+            if beat is not None and beat.state != proto.DONE and alive(pid):
+                out.append(beat)
+        return out
+
+    def max_step(self) -> int | None:
+        """The highest step any of this attempt's processes reported, dead or alive."""
+        steps = [b.step for p, pid in self._files("heartbeat.*") if (b := proto.read_heartbeat(p, pid))]
+        return max(steps) if steps else None
+
+    def hooks_pids(self) -> list[int]:
+        return [pid for _, pid in self._files("hooks.*.json")]
+
+    def error(self) -> dict[str, Any] | None:
+        """The first error file written in this attempt: the root cause, not a rank that failed
+        because another one did."""
+        found = []
+        for path, _ in self._files("error.*.json"):
+            data = proto.read_json(path)
+            if data is not None:
+                found.append((os.path.getmtime(path), data))
+        return min(found, key=lambda f: f[0])[1] if found else None
+
+    def stacks(self, pid: int) -> str:
+        return proto.stacks_path(str(self.path), pid)
