@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -175,6 +176,32 @@ def test_requeue_that_hangs_times_out(tmp_path: Path) -> None:
     exe = _fake_scontrol(tmp_path, "exec sleep 30")
     with pytest.raises(SlurmError, match=r"did not answer within 0\.5 s"):
         requeue({"SLURM_JOB_ID": "5"}, scontrol=str(exe), timeout=0.5)
+
+
+# ---------------------------------------------------------------- where SLURM cannot be had, the tests skip
+
+
+def test_start_script_says_unavailable_without_root(tmp_path: Path) -> None:
+    """Exit 3 (the fixture's "skip") with one line naming why, before touching anything."""
+    if os.geteuid() != 0 or shutil.which("runuser") is None:
+        pytest.skip("needs root and runuser to run the start script as an unprivileged user")
+    tmp_path.chmod(0o777)
+    proc = subprocess.run(
+        ["runuser", "-u", "nobody", "--", "bash", str(sl.START)],
+        env={"PATH": sl.SYSTEM_PATH, "SMARTCKPT_SLURM_DIR": str(tmp_path / "state")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == sl.UNAVAILABLE, proc.stdout + proc.stderr
+    assert "SLURM unavailable: must run as root" in proc.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_fixture_skips_without_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(sl.SlurmUnavailable, match="needs root"):
+        sl.start_cluster()
 
 
 # ---------------------------------------------------------------- a real single-node SLURM
