@@ -34,10 +34,12 @@ its step; outside ``smartckpt run`` it returns 0 (or restores through a manager 
 mode off in that process (two managers cannot write one store); the heartbeat still beats from
 ``CheckpointManager.step``.
 
+A GradScaler that skips ``opt.step`` after an overflow still counts the step (its ``step`` is
+wrapped on the instance), and the loss fed to the trigger is divided by its scale.
+
 Limits: one process per store (under ``WORLD_SIZE`` > 1 zero-code mode stands down and only the
-heartbeat runs); a GradScaler that skips ``opt.step`` on overflow skips a step count too, so the
-loop index and the checkpoint step drift apart; modules must be on their device before
-``start_step`` (buffers are tracked by reference).
+heartbeat runs); modules must be on their device before ``start_step`` (buffers are tracked by
+reference); a DataLoader iterated before ``start_step`` cannot be repositioned.
 """
 
 from __future__ import annotations
@@ -503,6 +505,10 @@ class _ZeroCode:
             self.live[name] = state
             objects[name] = (kind, _Recorded(state, name, self))
         self.ids = {id(o) for o in self.optimizers}
+        self.posts: dict[int, int] = {}  # post-hooks seen, per optimizer
+        self.scalers = found.scalers
+        for scaler in self.scalers:
+            self._count_skipped_steps(scaler)
         logger.info(
             "zero-code checkpointing: %s", ", ".join(n for n in objects if n != "rng") or "nothing found"
         )
@@ -519,17 +525,43 @@ class _ZeroCode:
         beat(self.step, state=None)
         return self.step
 
+    def _count_skipped_steps(self, scaler: Any) -> None:
+        """A GradScaler skips ``optimizer.step`` (no hooks run) when the gradients overflowed, but the
+        loop still went through a step: count it, or the loop index and the checkpoint step drift
+        apart. (Wraps this instance's ``step`` only.)"""
+        original = scaler.step
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            before = self.posts.get(id(optimizer), 0)
+            out = original(optimizer, *args, **kwargs)
+            if _zc is self and id(optimizer) in self.ids and self.posts.get(id(optimizer), 0) == before:
+                try:
+                    self.before_step(optimizer)
+                    self.after_step(optimizer)
+                except Exception as err:
+                    _disable("GradScaler step", err)
+            return out
+
+        scaler.step = step
+
     def after_step(self, optimizer: Any) -> None:
         if id(optimizer) not in self.ids:
             return
         self.started = True
+        self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
             self.step += 1
             beat(self.step)
         states = {name: obj.state_dict() for name, obj in self.live.items()}
         for m in self.modules:
             m.record()
-        self.pending = _Record(self.step, _last_loss, states)
+        loss = _last_loss
+        scale = getattr(self.scalers[0], "_scale", None) if self.scalers else None
+        if loss is not None:
+            if isinstance(scale, torch.Tensor):
+                loss = loss / scale.reshape(loss.shape)  # the scaled loss was backpropagated
+            loss = loss.reshape(())  # device ops only: no sync
+        self.pending = _Record(self.step, loss, states)
 
     def before_step(self, optimizer: Any) -> None:
         if id(optimizer) not in self.ids:

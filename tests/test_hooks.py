@@ -261,16 +261,27 @@ def _zero_code_env(child_env: dict[str, str], tmp: Path) -> dict[str, str]:
     )
 
 
+_REFERENCES: dict[tuple[str, ...], tuple[dict[int, str], dict]] = {}
+
+
+def _plain_run(tmp_path_factory, *flags: str):
+    """The same script without smartckpt at all (no hooks on the path), once per set of flags."""
+    if flags not in _REFERENCES:
+        d = tmp_path_factory.mktemp("plain")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+        env["PYTHONPATH"] = str(ROOT)
+        res = _run(
+            [sys.executable, str(SCRIPT), "--total", str(TOTAL), "--out", str(d / "final.pt"), *flags], env, d
+        )
+        assert res.returncode == 0, res.stderr
+        assert "start 0" in res.stdout
+        _REFERENCES[flags] = (_trace(res.stdout), torch.load(d / "final.pt", weights_only=True))
+    return _REFERENCES[flags]
+
+
 @pytest.fixture(scope="module")
 def plain_reference(tmp_path_factory):
-    """The same script without smartckpt at all (no hooks on the path)."""
-    d = tmp_path_factory.mktemp("plain")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
-    env["PYTHONPATH"] = str(ROOT)
-    res = _run([sys.executable, str(SCRIPT), "--total", str(TOTAL), "--out", str(d / "final.pt")], env, d)
-    assert res.returncode == 0, res.stderr
-    assert "start 0" in res.stdout
-    return _trace(res.stdout), torch.load(d / "final.pt", weights_only=True)
+    return _plain_run(tmp_path_factory)
 
 
 def _assert_same_state(a, b):
@@ -284,6 +295,7 @@ def _assert_same_state(a, b):
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
     assert a["scheduler"] == b["scheduler"]
     assert torch.equal(a["rng"], b["rng"]), "torch RNG state differs at the end"
+    assert a.get("scaler") == b.get("scaler")
 
 
 def _run_until_step(args: list[str], env: dict[str, str], cwd: Path, kill_at: int) -> tuple[str, int]:
@@ -301,22 +313,14 @@ def _run_until_step(args: list[str], env: dict[str, str], cwd: Path, kill_at: in
     return "".join(lines), proc.returncode
 
 
-KILL_AT = random.Random(time.time_ns()).randrange(6, TOTAL - 3)
+KILL_AT = random.Random(time.time_ns()).randrange(13, TOTAL - 3)  # past two of the --amp overflows
 
 
-def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, python, child_env, plain_reference):
-    ref_trace, ref_state = plain_reference
+@pytest.mark.parametrize("flags", [(), ("--amp",)], ids=["plain", "gradscaler-skipping-steps"])
+def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, tmp_path_factory, python, child_env, flags):
+    ref_trace, ref_state = _plain_run(tmp_path_factory, *flags)
     env = _zero_code_env(child_env, tmp_path)
-    args = [
-        python,
-        str(SCRIPT),
-        "--total",
-        str(TOTAL),
-        "--out",
-        str(tmp_path / "final.pt"),
-        "--step-time",
-        "0.05",
-    ]
+    args = [python, str(SCRIPT), "--total", str(TOTAL), "--out", str(tmp_path / "final.pt"), "--step-time", "0.05", *flags]  # fmt: skip
     out, rc = _run_until_step(args, env, tmp_path, KILL_AT)
     assert rc == -signal.SIGKILL, f"not killed at step {KILL_AT}: {out[-300:]}"
     first = _trace(out)

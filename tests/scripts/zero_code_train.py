@@ -10,8 +10,11 @@ misses any piece of state diverges.
 
 Arguments:
   --total N          steps to train (default 40)
-  --out PATH         at the end, torch.save {"model", "optimizer", "scheduler", "rng"} to PATH
+  --out PATH         at the end, torch.save {"model", "optimizer", "scheduler", "rng"} (and
+                     "scaler" with --amp) to PATH
   --step-time S      extra seconds of sleep per step, as a real model would take (default 0)
+  --amp              a GradScaler (CPU) whose scale changes every 3 steps; steps 4, 12 and 19
+                     overflow on purpose, so the scaler skips their optimizer step
   --fail-at N        raise RuntimeError("injected failure at step N") before step N+1 (N=0: before
                      the first step)
   --hang-at N        sleep forever before step N+1 (for hang detection)
@@ -41,6 +44,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import smartckpt_cli
 
+OVERFLOW_STEPS = {4, 12, 19}  # with --amp: the scaler skips these optimizer steps
+
 
 def _faults_armed(spec: str) -> bool:
     attempt = os.environ.get("SMARTCKPT_ATTEMPT", "0")
@@ -52,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total", type=int, default=40)
     p.add_argument("--out", default=None)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--amp", action="store_true")
     p.add_argument("--fail-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
@@ -79,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=10_000)
 
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if args.amp else None
+
     start = smartckpt_cli.start_step()
     print(f"start {start}", flush=True)
     it = None
@@ -103,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         x = x + 0.1 * torch.randn_like(x)  # the global torch RNG
         model.train()
         loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
+        if scaler is not None:
+            overflow = 1e38 if step + 1 in OVERFLOW_STEPS else 1.0
+            scaler.scale(loss * overflow).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         sched.step()
         opt.zero_grad()
         if args.step_time:
@@ -112,15 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step + 1} loss {float(loss.item()).hex()}", flush=True)
     print(f"done {args.total}", flush=True)
     if args.out:
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(),
-                "rng": torch.get_rng_state(),
-            },
-            args.out,
-        )
+        final = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        if scaler is not None:
+            final["scaler"] = scaler.state_dict()
+        torch.save(final, args.out)
     return 0
 
 
