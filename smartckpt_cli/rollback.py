@@ -48,7 +48,7 @@ def plan_rollback(
             raise UsageError("there is no rollback to undo")
         after = fold([*events, {"event": "rollback", "undo": True}])[1]
         back = {r.id for r in after if r.live}
-        restored = [r for r in records if r.rolled_back and r.id in back]
+        restored = _newest_first([r for r in records if r.rolled_back and r.id in back])
         return RollbackPlan({"event": "rollback", "undo": True}, None, restored=restored)
     if not live:
         raise UsageError("the store has no live healthy checkpoint to roll back from")
@@ -73,7 +73,7 @@ def plan_rollback(
             steps = ", ".join(str(r.step) for r in live)
             raise UsageError(f"no checkpoint of step {to_step} in this store (live steps: {steps})")
     assert target is not None
-    hidden = [r for r in records if r.live and r.step > target.step]
+    hidden = _newest_first([r for r in records if r.live and r.step > target.step])
     if not hidden:
         raise UsageError(
             f"step {target.step} is already what a resume loads; nothing to roll back "
@@ -81,6 +81,10 @@ def plan_rollback(
         )
     event = {"event": "rollback", "to_step": target.step, "why": "operator", "by": "smartckpt rollback"}
     return RollbackPlan(event, target, hidden=hidden)
+
+
+def _newest_first(records: list[CheckpointRecord]) -> list[CheckpointRecord]:
+    return sorted(records, key=lambda r: r.position, reverse=True)
 
 
 def _rollbacks_in_force(events: list[dict[str, Any]]) -> int:
