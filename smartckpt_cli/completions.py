@@ -10,6 +10,7 @@ tests/test_cli_completions.py fails when they no longer match the app.
 from __future__ import annotations
 
 import enum
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -41,7 +42,7 @@ class CommandSpec:
 
 def _help(text: str | None) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return " ".join(line.split())[:80]
+    return textwrap.shorten(line, width=80, placeholder="...")
 
 
 def _spec(cmd: Any, ctx: Any, path: tuple[str, ...]) -> CommandSpec:
@@ -55,7 +56,9 @@ def _spec(cmd: Any, ctx: Any, path: tuple[str, ...]) -> CommandSpec:
             choices, is_path = _value_kind(p)
             spec.options.append(
                 OptionSpec(
-                    tuple(p.opts) + tuple(p.secondary_opts),
+                    # sorted: click may keep the help option's names in a set (hash order)
+                    tuple(sorted(p.opts, key=lambda f: (f.startswith("--"), f)))
+                    + tuple(sorted(p.secondary_opts)),
                     _help(p.help),
                     not p.is_flag and not p.count,
                     choices,
