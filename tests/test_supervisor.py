@@ -58,11 +58,6 @@ def _record(store: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _events(store: Path) -> list[dict]:
-    journal = Journal(LocalStorage(store), store)
-    return [r.event for r in journal.read().records], journal.read()
-
-
 def _same_state(a: dict, b: dict) -> None:
     for k in b["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"model entry {k} differs"
@@ -106,6 +101,8 @@ def test_sigkill_at_a_random_step_finishes_bit_exact(tmp_path, child_env, refere
     assert first["restart_from"] % 5 == 0 and first["restart_from"] <= kill_at
     assert f"lost {first['steps_lost']} step(s)" in out  # reported at the restart
     assert "1 restart(s)" in out and "run record:" in out
+    # the failure taught an MTBF, handed to the restarted child for its Young/Daly interval
+    assert rec["mtbf"] is not None and f"SMARTCKPT_MTBF={rec['mtbf']:.1f}" in out
 
 
 def test_syntax_error_is_not_restarted(tmp_path, child_env):
@@ -229,3 +226,118 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, child_env, args, env, messag
     assert rc == 2, out
     assert message in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1, out
+
+
+def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp_path, child_env):
+    proc = _start(
+        ["--dir", "ck", "--every", "1000", str(SCRIPT), "--total", str(TOTAL), "--step-time", "0.1"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 8 "):
+            break
+    proc.send_signal(signal.SIGUSR1)
+    rest, _ = proc.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGUSR1, out
+    assert "preempted by SIGUSR1" in out and "not requeued (requeue is off)" in out
+    (ckpt,) = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records
+    assert ckpt.reason == "preemption (SIGUSR1)" and ckpt.step >= 8
+    assert _record(tmp_path / "ck")["outcome"] == "preempted"
+
+
+ZERO_CODE = ROOT / "tests" / "scripts" / "zero_code_train.py"
+
+
+def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, child_env):
+    """The front door: a plain loop with only start_step(), no CheckpointManager in the script."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    subprocess.run(
+        [sys.executable, str(ZERO_CODE), "--total", str(TOTAL), "--out", str(ref / "final.pt")],
+        env=child_env, check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    kill_at = random.Random(time.time_ns()).randrange(3, TOTAL - 2)
+    rc, out = _run(
+        ["--dir", "ck", "--every", "5", str(ZERO_CODE), "--total", str(TOTAL), "--kill-at", str(kill_at),
+         "--out", "final.pt"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert rc == 0, out
+    assert "hooks are not live" not in out
+    rec = _record(tmp_path / "ck")
+    first = rec["attempts"][0]
+    assert rec["restarts"] == 1 and first["max_step"] == kill_at, out
+    assert f"start {first['restart_from']}" in out
+    _same_state(
+        torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
+    )
+
+
+def test_monitor_samples_a_real_process_tree():
+    from smartckpt_cli.monitor import GpuMonitor, TreeMonitor
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+         "x = bytearray(50 << 20); time.sleep(30)"],
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        mon = TreeMonitor(child.pid)
+        deadline = time.monotonic() + 20
+        usage = mon.sample()
+        while usage.processes < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            usage = mon.sample()
+        assert usage.processes == 2 and usage.rss > 50 << 20
+        cached = dict(mon._procs)
+        mon.sample()
+        assert all(mon._procs[p] is cached[p] for p in cached)  # the same Process objects
+        gpu = GpuMonitor()
+        if not gpu.available:  # no NVML or no GPU: normal, nothing to wait for
+            assert gpu.held_by({child.pid}) == 0 and gpu.wait_freed({child.pid}) == (True, 0.0)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # its own group: the grandchild too
+        child.wait()
+
+
+def test_panel_and_status_line_render():
+    from rich.console import Console
+
+    from smartckpt_cli.cli.run import _panel, _status
+    from smartckpt_cli.supervisor import RunState
+
+    st = RunState(run_id="r1", command="python train.py", step=120, loss=0.25, heartbeat=True,
+                  child_state="training", checkpoint_step=100, checkpoint_seen=time.time() - 5, restarts=2)  # fmt: skip
+    console = Console(record=True, width=120)
+    console.print(_panel(st))
+    text = console.export_text()
+    assert "120" in text and "0.25" in text and "step 100" in text and "restarts 2" in text
+    line = _status(st)
+    assert "step 120" in line and "checkpoint 100" in line and "restarts 2" in line
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, child_env):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+    proc = _start(
+        ["--dir", "ck", "--", sys.executable, "-c", code],
+        tmp_path,
+        _env(child_env, SMARTCKPT_GRACE_PERIOD="2"),
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("ready"):
+            break
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+    out = "".join(lines) + rest
+    assert time.monotonic() - t0 < 6, out
+    assert "grace period of 2 s over: killing the child" in out
+    assert proc.returncode == 128 + signal.SIGKILL, out

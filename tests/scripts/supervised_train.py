@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         beat = proto.HeartbeatWriter(run_dir)
         beat.beat(step=start, state=proto.TRAINING)
     print(f"start {start}", flush=True)
+    if "SMARTCKPT_MTBF" in os.environ:
+        print(f"env SMARTCKPT_MTBF={os.environ['SMARTCKPT_MTBF']}", flush=True)
     it = iter(loader)
     for step in range(start, args.total):
         if faults and step == args.fail_at:
