@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ class RunOptions:
     run_id: str | None = None
     first_attempt: int = 0
     poll: float = 0.2
+    # Where the child's output goes: None = inherited (straight to our stdout/stderr); a callable
+    # gets each line (stdout and stderr merged), so a live panel can print above itself.
+    output: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -246,7 +250,17 @@ class Supervisor:
             attempt=attempt,
             mtbf=mtbf,
         )
-        proc = subprocess.Popen(self.opts.command, env=env, start_new_session=True)
+        pipe = subprocess.PIPE if self.opts.output is not None else None
+        if pipe:
+            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold its lines back until exit
+        proc = subprocess.Popen(
+            self.opts.command,
+            env=env,
+            start_new_session=True,
+            stdout=pipe,
+            stderr=subprocess.STDOUT if pipe else None,
+        )
+        relay = self._relay(proc)
         att = AttemptRecord(attempt, proc.pid, t_start, start_step)
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
@@ -308,6 +322,8 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
+        if relay is not None:
+            relay.join(timeout=5.0)  # the rest of the output (orphans may keep the pipe open)
         last = files.max_step()
         if last is not None:
             att.max_step = max(att.max_step or 0, last)
@@ -336,6 +352,20 @@ class Supervisor:
         stop = self._stop if self._stop is not None and self._stopping_since is not None else None
         end = AttemptEnd(proc.returncode, progressed, error, hung, stop, self._preempt, oom)
         return att, end
+
+    def _relay(self, proc: subprocess.Popen[bytes]) -> threading.Thread | None:
+        out, sink = proc.stdout, self.opts.output
+        if out is None or sink is None:
+            return None
+
+        def pump() -> None:
+            for raw in iter(out.readline, b""):
+                sink(raw.decode(errors="replace").rstrip("\n"))
+            out.close()
+
+        t = threading.Thread(target=pump, name="smartckpt-child-output", daemon=True)
+        t.start()
+        return t
 
     def _observe(
         self,

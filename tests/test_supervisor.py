@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -231,13 +232,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, child_env, args, env, messag
 def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp_path, child_env):
     proc = _start(
         ["--dir", "ck", "--every", "1000", str(SCRIPT), "--total", str(TOTAL), "--step-time", "0.1"],
-        tmp_path, _env(child_env),
+        tmp_path, _env(child_env, SMARTCKPT_LOG_EVERY="0.5"),
     )  # fmt: skip
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 8 "):
+        if line.startswith("step 12 "):
             break
     proc.send_signal(signal.SIGUSR1)
     rest, _ = proc.communicate(timeout=60)
@@ -245,7 +246,11 @@ def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp
     assert proc.returncode == 128 + signal.SIGUSR1, out
     assert "preempted by SIGUSR1" in out and "not requeued (requeue is off)" in out
     (ckpt,) = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records
-    assert ckpt.reason == "preemption (SIGUSR1)" and ckpt.step >= 8
+    assert ckpt.reason == "preemption (SIGUSR1)" and ckpt.step >= 12
+    # not a terminal: periodic plain status lines, as a SLURM log wants them
+    assert re.search(r"^smartckpt: attempt 0, restarts 0, step \d+, loss [\d.e+-]+, .*cpu \d+%", out, re.M), (
+        out
+    )
     assert _record(tmp_path / "ck")["outcome"] == "preempted"
 
 
@@ -341,3 +346,16 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path,
     assert time.monotonic() - t0 < 6, out
     assert "grace period of 2 s over: killing the child" in out
     assert proc.returncode == 128 + signal.SIGKILL, out
+
+
+def test_run_help_documents_the_exit_codes():
+    from typer.testing import CliRunner
+
+    from smartckpt_cli.cli.app import app
+
+    result = CliRunner().invoke(app, ["run", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for needle in ("--every", "--max-restarts", "--hang-timeout", "--requeue", "--config", "Exit codes",
+                   "128+N", "max_restarts reached", "crash loop"):  # fmt: skip
+        assert needle in text, needle

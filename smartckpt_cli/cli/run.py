@@ -91,7 +91,9 @@ def run_command(args: list[str], overrides: dict[str, Any], config: Path | None,
                 f"smartckpt: {msg}", markup=False
             )
 
-    sup = Supervisor(RunOptions(command, settings, sources), say)
+    # On a terminal the child's output comes through us, printed above the live panel.
+    output = (lambda line: console.print(line, markup=False, highlight=False)) if tty else None
+    sup = Supervisor(RunOptions(command, settings, sources, output=output), say)
     stop = threading.Event()
     if tty:
         live = Live(
