@@ -187,31 +187,37 @@ class _TorchWatcher:
     imported it lets the other finders locate it and wraps that loader's ``exec_module`` so that,
     once torch is fully initialised, the runtime installs its hooks. Removes itself after that."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != "torch":
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
         self.remove()
+        try:
+            return self._watch(fullname, path, target)
+        except Exception as err:  # the normal import machinery goes on without us
+            _report("watching the torch import", err)
+            return None
+
+    def _watch(self, fullname: str, path: Any, target: Any) -> Any:
+        spec = None
+        for finder in list(sys.meta_path):
+            if hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
+        if spec is None or exec_module is None:
             return spec
 
-        def exec_and_hook(module: object) -> None:
+        def exec_and_hook(module: Any) -> None:
+            try:
+                del loader.exec_module  # this loader instance only, and only once
+            except AttributeError:
+                pass
             exec_module(module)
             _torch_loaded()
 
-        try:
-            loader.exec_module = exec_and_hook
-        except Exception as err:
-            _report("watching the torch import", err)
+        loader.exec_module = exec_and_hook
         return spec
 
     def remove(self) -> None:

@@ -145,7 +145,8 @@ def _heart() -> Any:
     pid = os.getpid()
 
     def done() -> None:
-        if os.getpid() == pid and not _hooks_state().get("uncaught"):
+        # Zero-code mode says DONE itself, after its final checkpoint.
+        if os.getpid() == pid and _zc is None and not _hooks_state().get("uncaught"):
             _beat_writer.beat(state=_protocol().DONE)
 
     _register_exit(done)
@@ -286,6 +287,11 @@ def start_step() -> int:
         _disable("start_step", err)
         return 0
     if zc is None:
+        if not _off:
+            logger.warning(
+                "smartckpt: start_step() found no optimizer: call it after building the model, "
+                "optimizer and schedulers; nothing restored"
+            )
         return 0
     return zc.restore()  # errors of a restore are the user's to see (never start over silently)
 
@@ -358,15 +364,16 @@ def _discover(*, with_loaders: bool) -> _Found:
     )
     opts, mods, scheds, scalers, loaders = [], [], [], [], []
     for o in gc.get_objects():
-        if isinstance(o, torch.optim.Optimizer):
+        t = type(o)  # not isinstance: that reads __class__, which some objects warn about
+        if issubclass(t, torch.optim.Optimizer):
             opts.append(o)
-        elif isinstance(o, torch.nn.Module):
+        elif issubclass(t, torch.nn.Module):
             mods.append(o)
-        elif isinstance(o, LRScheduler | ReduceLROnPlateau):
+        elif issubclass(t, LRScheduler | ReduceLROnPlateau):
             scheds.append(o)
-        elif scaler_types and isinstance(o, scaler_types):
+        elif scaler_types and issubclass(t, scaler_types):
             scalers.append(o)
-        elif with_loaders and isinstance(o, DataLoader):
+        elif with_loaders and issubclass(t, DataLoader):
             loaders.append(o)
     opts.sort(key=lambda o: (type(o).__name__, [tuple(p.shape) for g in o.param_groups for p in g["params"]]))
     where: dict[int, tuple[int, int]] = {}
@@ -603,3 +610,5 @@ class _ZeroCode:
         finally:
             with heartbeat_state("SAVING"):
                 self.mgr.close()
+            if not _hooks_state().get("uncaught"):
+                beat(state="DONE")
