@@ -138,6 +138,8 @@ def _coerce(key: str, value: Any, *, from_text: bool) -> Any:
         if from_text:
             value = yaml.safe_load(value)
         return parse_rules(value)
+    if key == "every" and isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)  # YAML's `every: 50` is a number; `every: 30s` a string
     hint = typing.get_type_hints(Settings)[key]
     args = typing.get_args(hint)
     optional = isinstance(hint, types.UnionType) and type(None) in args

@@ -359,3 +359,29 @@ def test_run_help_documents_the_exit_codes():
     for needle in ("--every", "--max-restarts", "--hang-timeout", "--requeue", "--config", "Exit codes",
                    "128+N", "max_restarts reached", "crash loop"):  # fmt: skip
         assert needle in text, needle
+
+
+def test_yaml_settings_gave_up_after_max_restarts(tmp_path, child_env):
+    (tmp_path / "cfg.yaml").write_text("max_restarts: 0\nevery: 5\nrestart_backoff: 0.1\n")
+    rc, out = _run(
+        ["--config", "cfg.yaml", "--dir", "ck", str(SCRIPT), "--total", str(TOTAL), "--kill-at", "14",
+         "--step-time", "0.1"],
+        tmp_path, _env(child_env),
+    )  # fmt: skip
+    assert rc == 3, out
+    assert "giving up after 0 restart(s) (max_restarts); last: killed by SIGKILL" in out
+    rec = _record(tmp_path / "ck")
+    assert rec["outcome"] == "gave-up"
+    steps = [r.step for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
+    assert steps == [5, 10] and rec["checkpoints_taken"] == 2  # every: 5 from the YAML file
+
+
+def test_no_restart_on_pattern_matches_the_error_file(tmp_path, child_env):
+    rc, out = _run(
+        ["--dir", "ck", "--every", "5", str(SCRIPT), "--total", str(TOTAL), "--fail-at", "9"],
+        tmp_path, _env(child_env, SMARTCKPT_NO_RESTART_ON="injected failure at step \\d+"),
+    )  # fmt: skip
+    assert rc == 1, out
+    assert "RuntimeError: injected failure at step 9 matches no_restart_on pattern" in out
+    rec = _record(tmp_path / "ck")
+    assert len(rec["attempts"]) == 1 and rec["attempts"][0]["error"]["type"] == "RuntimeError"
