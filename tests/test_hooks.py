@@ -452,3 +452,15 @@ def test_several_ranks_only_beat(tmp_path, python, child_env):
     (hb,) = _files(tmp_path / "run", "heartbeat")
     beat = proto.read_heartbeat(str(hb), int(hb.name.split(".")[1]))
     assert beat is not None and beat.step == 6 and beat.rank == 1 and beat.state == proto.DONE
+
+
+def test_internal_failure_reports_once_and_training_runs_on(tmp_path, python, child_env):
+    """The store cannot be created: one line on stderr, and the script trains to the end unhooked."""
+    (tmp_path / "a-file").write_text("")
+    env = _zero_code_env(child_env, tmp_path)
+    env["SMARTCKPT_DIR"] = str(tmp_path / "a-file" / "store")
+    res = _run([python, str(SCRIPT), "--total", "8", "--out", str(tmp_path / "final.pt")], env, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "start 0" in res.stdout and "done 8" in res.stdout
+    assert res.stderr.count("smartckpt: zero-code checkpointing off") == 1, res.stderr
+    assert "Traceback" not in res.stderr
