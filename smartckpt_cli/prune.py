@@ -72,7 +72,10 @@ def newest_verified(
 
     skipped: list[str] = []
     for rec in candidates(state.records):
-        report = verify(store, step=rec.step, progress=progress)
+        try:
+            report = verify(store, step=rec.step, progress=progress)
+        except UsageError:  # pruned by the running job since the journal was read
+            continue
         result = next((r for r in report.results if r.id == rec.id), None)
         if result is not None and result.ok and result.note is None:
             return rec, skipped
@@ -113,6 +116,28 @@ def carry_out(
     """Plan and (unless ``dry_run``) carry out a prune; see the module docstring for the order."""
     if keep < 1:
         raise UsageError("--keep must be at least 1 (the newest verified checkpoint is always kept)")
+    for attempt in range(3):
+        try:
+            return _carry_out(store, keep, dry_run=dry_run, lock_timeout=lock_timeout, progress=progress)
+        except _Superseded:
+            # A running job pruned the checkpoint just verified (its own keep_last) before we
+            # got the lock: verify the new newest one and plan again.
+            logger.info("the verified checkpoint was pruned meanwhile; trying again (%d)", attempt + 1)
+    raise UsageError("the store changes faster than prune can verify it; try again or stop the run")
+
+
+class _Superseded(Exception):
+    pass
+
+
+def _carry_out(
+    store: StoreDir,
+    keep: int,
+    *,
+    dry_run: bool,
+    lock_timeout: float,
+    progress: Callable[[int, int], None] | None,
+) -> PruneResult:
     state = store.journal.read()
     if state.problems:
         raise UsageError(
@@ -134,10 +159,7 @@ def carry_out(
             with file_lock(store.meta_root / GC_LOCK, blocking=False):
                 state = store.journal.read()
                 if not any(r.id == verified.id and r.live for r in state.records):
-                    raise UsageError(
-                        f"step {verified.step} ({verified.id}) was pruned or rolled back by another "
-                        "process meanwhile; run prune again"
-                    )
+                    raise _Superseded()
                 plan = plan_prune(state.records, keep, verified.id)
                 prune(store.storage, store.journal, plan.remove, why=f"smartckpt prune --keep {keep}")
                 freed = collect_garbage_locked(store.storage, store.blobs, store.journal)
