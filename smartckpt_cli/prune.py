@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from smartckpt_cli.errors import StoreLockedError, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, JournalError, StoreLockedError, UsageError
 from smartckpt_cli.journal import CheckpointRecord, JournalState
 from smartckpt_cli.restore import candidates
 from smartckpt_cli.retention import GC_LOCK, collect_garbage_locked, prune
@@ -140,13 +140,13 @@ def _carry_out(
 ) -> PruneResult:
     state = store.journal.read()
     if state.problems:
-        raise UsageError(
+        raise JournalError(
             f"the journal has damaged lines ({state.problems[0]}); run 'smartckpt verify' and "
             "repair or move the store before pruning"
         )
     verified, unverified = newest_verified(store, state, progress=progress)
     if verified is None:
-        raise UsageError(
+        raise CheckpointCorrupt(
             "no checkpoint verifies; refusing to prune anything"
             + (f" ({unverified[0]})" if unverified else " (the store has no live healthy checkpoint)")
         )

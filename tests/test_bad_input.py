@@ -31,7 +31,7 @@ from smartckpt_cli import (
 )
 from smartckpt_cli.cli import app as cli_app
 from smartckpt_cli.errors import EXIT_ERROR, EXIT_USAGE
-from smartckpt_cli.journal import encode_line
+from smartckpt_cli.journal import decode_line, encode_line
 
 REPO = Path(__file__).resolve().parents[1]
 LOCKS = {"writer.lock", "journal.lock"}  # opening a store for writing may create these
@@ -322,3 +322,208 @@ def test_shape_mismatch_names_key_and_shapes_and_leaves_model_unchanged(tmp_path
     with CheckpointManager(store, create=False) as mgr:
         mgr.register(model=right)
         assert mgr.restore() == 1
+
+
+# ---------------------------------------------------------------------------- journal commands
+#
+# The bad-input list of the journal commands (inspect, verify, prune, rollback, export): a missing
+# path, a file, a directory of unrelated files, a journal of garbage, a truncated blob, a
+# permission-denied directory and ``--to``/``--step`` a step that does not exist. Each gives one
+# line and its documented exit code, and the store's files are the same before and after.
+
+JOURNAL_COMMANDS = {
+    "inspect": lambda d, out: ["inspect", str(d)],
+    "verify": lambda d, out: ["verify", str(d)],
+    "prune": lambda d, out: ["prune", str(d), "--keep", "1"],
+    "rollback": lambda d, out: ["rollback", str(d), "--to-prev"],
+    "export": lambda d, out: ["export", str(d), str(out)],
+}
+
+
+def _truncated_blob_store(base: Path) -> tuple[Path, str]:
+    """Two checkpoints; the newest one's first weight blob loses its last 100 bytes."""
+    store = base / "store"
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(store, chunk_mb=1) as mgr:
+        mgr.register(model=model)
+        assert mgr.save(1, blocking=True).wait() is not None
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        assert mgr.save(2, blocking=True).wait() is not None
+    import json as _json
+
+    from smartckpt_cli.store_dir import open_store
+
+    rec = max(open_store(store).journal.read().live(), key=lambda r: r.position)
+    manifest = _json.loads((store / rec.manifest).read_text())
+    bid = manifest["entries"]["model/weight"]["data"]["chunks"][0][0]
+    blob = store / "blobs" / bid[:2] / bid
+    blob.write_bytes(blob.read_bytes()[:-100])
+    return store, bid
+
+
+def _main(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["smartckpt", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        cli_app.main()
+    out, err = capsys.readouterr()
+    return int(exit_.value.code or 0), out, err
+
+
+@pytest.mark.parametrize("command", list(JOURNAL_COMMANDS))
+@pytest.mark.parametrize("name", ["missing", "missing-bracketed", "not-a-store", "a-file", "garbage-journal"])
+def test_journal_commands_refuse_bad_stores(
+    name: str,
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    c = CASES[name](tmp_path / "case")
+    out_file = tmp_path / "exported.pt"
+    before = _tree(c.root)
+    code, out, err = _main(JOURNAL_COMMANDS[command](c.target, out_file), monkeypatch, capsys)
+    assert code == c.exit_code, err
+    assert out == ""
+    _assert_one_error_line(err, c)
+    _assert_nothing_lost(before, _tree(c.root))
+    assert not out_file.exists()
+
+
+# What each command does with a store whose newest checkpoint has a truncated blob: inspect
+# lists it (it reads no blob), verify names it (exit 1), prune refuses to count it as the newest
+# verified one and keeps it (--keep 1 keeps it and step 1), rollback --to-prev is fine (the target,
+# step 1, is sound), export refuses it (exit 1).
+TRUNCATED = {
+    "inspect": (0, None),
+    "verify": (
+        1,
+        r"^step 2 \(\w+\): CORRUPT: L1 entry model/weight: hash mismatch in blob {bid} \([\d,]+ bytes on disk\)$",
+    ),
+    "export": (1, r"^smartckpt: error: step 2: L1 entry model/weight: hash mismatch in blob {bid}$"),
+}
+
+
+@pytest.mark.parametrize("command", list(TRUNCATED))
+def test_truncated_blob(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, bid = _truncated_blob_store(tmp_path / "case")
+    out_file = tmp_path / "exported.pt"
+    before = _tree(store)
+    journal = (store / "journal.jsonl").read_bytes()
+    code, out, err = _main(JOURNAL_COMMANDS[command](store, out_file), monkeypatch, capsys)
+    want_code, pattern = TRUNCATED[command]
+    if command == "verify":
+        # verify only appends its finding ("verified" events, for inspect) to the journal
+        grown = (store / "journal.jsonl").read_bytes()
+        assert grown.startswith(journal)
+        added = [decode_line(ln) for ln in grown[len(journal) :].splitlines()]
+        assert [(e or {}).get("event") for e in added] == ["verified"]
+        assert added[0] is not None and added[0]["ok"] is False and bid in added[0]["problem"]
+        before.pop("journal.jsonl")
+        (store / "journal.jsonl").write_bytes(journal)
+        before["journal.jsonl"] = _tree(store)["journal.jsonl"]
+    assert code == want_code, out + err
+    assert "Traceback" not in out + err
+    if pattern is not None:
+        lines = (out + err).strip().splitlines()
+        assert len(lines) == 1, lines
+        assert re.match(pattern.format(bid=bid), lines[0]), lines[0]
+    _assert_nothing_lost(before, _tree(store))
+    assert not out_file.exists()
+
+
+def test_truncated_blob_prune_keeps_the_corrupt_newest_and_the_newest_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, bid = _truncated_blob_store(tmp_path / "case")
+    before = _tree(store)
+    code, out, err = _main(["prune", str(store), "--keep", "1"], monkeypatch, capsys)
+    assert code == 0, err
+    assert "nothing to prune" in out and "newest verified checkpoint: step 1" in out
+    assert f"hash mismatch in blob {bid}" in err
+    after = _tree(store)
+    blobs_before = {k: v for k, v in before.items() if k.startswith("blobs/")}
+    assert {k: after.get(k) for k in blobs_before} == blobs_before, "a blob was removed"
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["rollback", "{d}", "--to", "7"], "no checkpoint of step 7 in this store (live steps: 2, 1)"),
+        (["verify", "{d}", "--step", "7"], "no checkpoint of step 7 in this store (steps: 2, 1)"),
+        (["inspect", "{d}", "--step", "7"], "no checkpoint of step 7 in this store (steps: 2, 1)"),
+        (
+            ["export", "{d}", "{out}", "--step", "7"],
+            "no checkpoint of step 7 in this store (live steps: 2, 1)",
+        ),
+        (["rollback", "{d}", "--to", "2"], "step 2 is already what a resume loads"),
+        (["prune", "{d}", "--keep", "0"], "--keep must be at least 1"),
+    ],
+)
+def test_a_step_that_does_not_exist(
+    argv: list[str],
+    words: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store = tmp_path / "store"
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager(store) as mgr:
+        mgr.register(model=model)
+        mgr.save(1, blocking=True).wait()
+        mgr.save(2, blocking=True).wait()
+    out_file = tmp_path / "out.pt"
+    before = _tree(store)
+    code, out, err = _main([a.format(d=store, out=out_file) for a in argv], monkeypatch, capsys)
+    assert code == EXIT_USAGE and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"smartckpt: error: {words}"), lines
+    _assert_nothing_lost(before, _tree(store))
+    assert not out_file.exists()
+
+
+def _without_dac_override() -> list[str]:
+    """Run a command as root but without the capabilities that bypass file permissions, so a
+    chmod 000 directory is really unreadable (the tests run as root here)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: cannot drop CAP_DAC_OVERRIDE")
+    return [setpriv, "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def test_permission_denied_directory_as_real_processes(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _make_store(store)
+    prefix = _without_dac_override()
+    before = _tree(store)
+    store.chmod(0)
+    try:
+        procs = {
+            name: subprocess.Popen(
+                [*prefix, sys.executable, "-m", "smartckpt_cli.cli.app", *argv(store, tmp_path / "o.pt")],
+                cwd=tmp_path,
+                env={**_clean_env(), "PYTHONPATH": str(REPO)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, argv in JOURNAL_COMMANDS.items()
+        }
+        results = {name: (*p.communicate(timeout=180), p.returncode) for name, p in procs.items()}
+    finally:
+        store.chmod(0o755)
+    for name, (out, err, code) in results.items():
+        assert code == EXIT_USAGE, (name, err)
+        assert out == ""
+        assert err.strip().splitlines() == [f"smartckpt: error: cannot open {store}: permission denied"], name
+    _assert_nothing_lost(before, _tree(store))
+    assert not (tmp_path / "o.pt").exists()

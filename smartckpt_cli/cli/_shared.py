@@ -20,7 +20,11 @@ from rich.progress import (
 
 __all__ = ["DirArg", "err", "human", "out", "progress_bar", "say"]
 
-DirArg = Annotated[Path, typer.Argument(help="Checkpoint store directory.", show_default=False)]
+# readable=False: an unreadable directory is reported by open_store in one line (exit 2), not by
+# click's multi-line usage error.
+DirArg = Annotated[
+    Path, typer.Argument(help="Checkpoint store directory.", show_default=False, readable=False)
+]
 
 
 def out() -> Console:

@@ -43,8 +43,9 @@ def prune(
     \b
     Exit codes:
       0  pruned (or nothing to prune)
-      1  the journal or a manifest is unreadable, or a save held the lock past --wait
-      2  bad input: not a store, --keep below 1, no checkpoint verifies, a damaged journal
+      1  no checkpoint verifies, the journal is damaged or a manifest unreadable, or a save
+         held the lock past --wait (nothing is removed)
+      2  bad input: not a store, --keep below 1
     """
     from smartckpt_cli.catalog import active_writer
     from smartckpt_cli.prune import carry_out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated
 
 import typer
@@ -83,7 +84,7 @@ def verify(
             say(f"journal: {p}")
         if not report.results:
             say("no checkpoint to verify")
-        elif report.seconds > 0:
+        elif report.seconds > 0 and sys.stderr.isatty():
             rate = report.bytes_checked / report.seconds
             say(
                 f"checked {human(report.bytes_checked)} in {report.seconds:.2f} s ({human(rate)}/s)",
