@@ -119,6 +119,7 @@ class Supervisor:
         self._stopping_since: float | None = None
         self._step_seen: dict[int, float] = {}
         self._last_pids: set[int] = set()
+        self._last_usage: Usage | None = None
 
     # ------------------------------------------------------------------ the run
 
@@ -163,6 +164,11 @@ class Supervisor:
             att, end = self._attempt(attempt_no)
             outcome = classify(end, patterns=self.s.no_restart_patterns)
             att.category, att.cause, att.exit_code = outcome.category, outcome.cause, outcome.exit_code
+            if outcome.category == "oom" and self._last_usage is not None:
+                u = self._last_usage
+                att.cause += (
+                    f"; last sample: {u.rss / 2**30:.2f} GiB resident, {u.mem_available / 2**30:.2f} GiB free"
+                )
             self.record.attempts.append(att)
             if outcome.action == "done":
                 return self._finish(
@@ -329,7 +335,7 @@ class Supervisor:
             att.max_step = max(att.max_step or 0, last)
             step_seen.setdefault(last, att.ended)
         self._step_seen = step_seen
-        self._last_pids = pids
+        self._last_pids, self._last_usage = pids, usage
         # Whatever is left of the dead attempt's group (DataLoader workers, torchrun workers)
         # would hold the store's writer lock and GPU memory: it goes with it.
         if proc.returncode != 0:
