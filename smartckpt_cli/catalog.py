@@ -42,7 +42,7 @@ class Row:
     manifest_problem: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
 
 
 @dataclass

@@ -174,3 +174,31 @@ def test_commands_while_a_training_process_writes(tmp_path: Path, child_env: dic
         timeout=120,
     )
     assert resume.returncode == 0 and f"restored step {newest}" in resume.stdout, resume.stderr
+
+
+def test_verify_shows_a_progress_bar_only_on_a_terminal(pristine: Path, child_env: dict[str, str]) -> None:
+    import pty
+
+    master, slave = pty.openpty()
+    env = {**child_env, "TERM": "xterm", "COLUMNS": "100"}
+    proc = subprocess.Popen(
+        [*APP, "verify", str(pristine), "--all", "--no-record"], stdout=subprocess.PIPE, stderr=slave, env=env
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out, _ = proc.communicate(timeout=180)
+    os.close(master)
+    tty = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0
+    assert "verifying" in tty and "checked" in tty, tty
+    assert out.decode().count(": ok") == 6  # stdout (a pipe) gets the plain lines only
+    piped = _run(["verify", str(pristine), "--all", "--no-record"], child_env)
+    assert piped.returncode == 0 and piped.stderr == ""

@@ -1,0 +1,189 @@
+"""How fast is ``smartckpt verify`` compared with just reading the same bytes off the disk?
+
+Writes one checkpoint of a ~100M-parameter MLP with its AdamW state (~1.2 GB raw) with the
+default settings, then, per repetition, interleaved and each from a cold page cache:
+
+- ``read``: the checkpoint's blob files read sequentially, one thread, 16 MiB reads, after
+  dropping their pages (fsync, then posix_fadvise DONTNEED);
+- ``read O_DIRECT``: the same files read with O_DIRECT (no page cache at all), where supported;
+- ``verify``: ``smartckpt_cli.verify.verify`` (what ``smartckpt verify DIR`` runs: re-hash every
+  blob, decode every chunk, check every raw hash) after dropping the same pages.
+
+The machine's sequential read bandwidth is the faster of the two reads; the figure of merit is
+verify's throughput (encoded bytes checked per second) over it. The issue asks for >= 0.5.
+
+    python benchmarks/verify_speed.py --dir /path/on/the/disk --reps 5 [--params 1e8] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from smartckpt_cli import CheckpointManager  # noqa: E402
+from smartckpt_cli.bench import build_model  # noqa: E402
+from smartckpt_cli.store_dir import open_store  # noqa: E402
+from smartckpt_cli.verify import verify  # noqa: E402
+
+CHUNK = 16 << 20
+
+
+def blob_files(store: Path) -> list[Path]:
+    """The blob files of the newest checkpoint, in manifest order (the order verify reads)."""
+    st = open_store(store)
+    rec = max(st.journal.read().live(), key=lambda r: r.position)
+    manifest = json.loads((store / rec.manifest).read_text())
+    seen: dict[str, None] = {}
+    for entry in manifest["entries"].values():
+        for stream in (entry["data"], entry.get("patch")):
+            for chunk in (stream or {}).get("chunks", []):
+                seen.setdefault(chunk[0], None)
+    return [store / "blobs" / bid[:2] / bid for bid in seen]
+
+
+def drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_buffered(paths: list[Path]) -> tuple[int, float]:
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while n := os.readv(fd, [view]):
+                total += n
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def read_direct(paths: list[Path]) -> tuple[int, float] | None:
+    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT requires
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            got = 0
+            while got < size:
+                n = os.preadv(fd, [buf], got)
+                if n <= 0:
+                    break
+                got += n
+            total += got
+        except OSError:  # some filesystems (tmpfs) refuse O_DIRECT reads
+            return None
+        finally:
+            os.close(fd)
+    return total, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    p.add_argument("--params", type=float, default=1e8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--workers", type=int, default=0, help="verify threads (0: verify's default)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+
+    base = Path(tempfile.mkdtemp(prefix="verify-speed-", dir=args.dir))
+    store = base / "store"
+    try:
+        model, opt = build_model(int(args.params))
+        raw = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        raw += sum(
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        t0 = time.perf_counter()
+        with CheckpointManager(store) as mgr:
+            mgr.register(model=model, optimizer=opt)
+            assert mgr.save(1, blocking=True).wait() is not None
+        save_s = time.perf_counter() - t0
+        del model, opt
+        paths = blob_files(store)
+        on_disk = sum(f.stat().st_size for f in paths)
+        print(
+            f"checkpoint: {raw / 1e9:.2f} GB raw, {on_disk / 1e9:.2f} GB in {len(paths)} blobs "
+            f"(saved in {save_s:.1f} s); CPUs {os.cpu_count()}, load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+        res: dict[str, list[float]] = {"read": [], "read O_DIRECT": [], "verify": []}
+        st = open_store(store)
+        for rep in range(args.reps):
+            drop_cache(paths)
+            n, s = read_buffered(paths)
+            res["read"].append(n / s)
+            direct = read_direct(paths)
+            if direct is not None:
+                res["read O_DIRECT"].append(direct[0] / direct[1])
+            drop_cache(paths)
+            report = verify(st, workers=args.workers)
+            assert report.ok and report.bytes_checked == on_disk, report
+            res["verify"].append(report.bytes_checked / report.seconds)
+            print(
+                f"rep {rep + 1}: read {res['read'][-1] / 1e9:.2f} GB/s, "
+                + (f"O_DIRECT {res['read O_DIRECT'][-1] / 1e9:.2f} GB/s, " if direct else "")
+                + f"verify {res['verify'][-1] / 1e9:.2f} GB/s ({report.seconds:.2f} s)",
+                flush=True,
+            )
+        med = {k: statistics.median(v) for k, v in res.items() if v}
+        bound = max(med["read"], med.get("read O_DIRECT", 0.0))
+        ratio = med["verify"] / bound
+        print(
+            f"median of {args.reps}: sequential read {bound / 1e9:.2f} GB/s "
+            f"(buffered {med['read'] / 1e9:.2f}, O_DIRECT "
+            + (f"{med['read O_DIRECT'] / 1e9:.2f}" if "read O_DIRECT" in med else "n/a")
+            + f"), verify {med['verify'] / 1e9:.2f} GB/s = {ratio:.2f}x the read bandwidth "
+            + ("(>= 0.5: ok)" if ratio >= 0.5 else "(below 0.5)")
+        )
+        if args.json:
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "raw_bytes": raw,
+                        "on_disk_bytes": on_disk,
+                        "blobs": len(paths),
+                        "reps": args.reps,
+                        "samples_bytes_per_s": res,
+                        "median_bytes_per_s": med,
+                        "ratio": ratio,
+                        "cpus": os.cpu_count(),
+                    },
+                    indent=2,
+                )
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
