@@ -28,35 +28,40 @@ _smartckpt() {
         "inspect"|"ls")
             case "$prev" in
                 --step) COMPREPLY=(); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --json -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --json --meta-dir -h --help" -- "$cur")) && return
             ;;
         "verify")
             case "$prev" in
                 --step) COMPREPLY=(); return ;;
                 --workers) COMPREPLY=(); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record --meta-dir -h --help" -- "$cur")) && return
             ;;
         "prune")
             case "$prev" in
                 --keep) COMPREPLY=(); return ;;
                 --wait) COMPREPLY=(); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--keep --dry-run --wait --json -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--keep --dry-run --wait --json --meta-dir -h --help" -- "$cur")) && return
             ;;
         "rollback")
             case "$prev" in
                 --to) COMPREPLY=(); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--to --to-prev --undo -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--to --to-prev --undo --meta-dir -h --help" -- "$cur")) && return
             ;;
         "export")
             case "$prev" in
                 --step) COMPREPLY=(); return ;;
                 --format) COMPREPLY=($(compgen -W "torch safetensors" -- "$cur")); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --format --weights-only --force -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --format --weights-only --force --meta-dir -h --help" -- "$cur")) && return
             ;;
         "completions")
             case "$prev" in

@@ -54,6 +54,7 @@ _smartckpt_inspect() {
   _arguments -s \
     '--step[Show this checkpoint'\''s manifest, tensor by tensor.]:step: ' \
     '--json[Machine-readable output.]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -65,6 +66,7 @@ _smartckpt_verify() {
     '--json[Machine-readable output.]' \
     '--workers[Hashing threads (0 - one per CPU, at least 4).]:workers: ' \
     '--record[Note the outcome in the journal, for inspect.]' '--no-record[Note the outcome in the journal, for inspect.]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -75,6 +77,7 @@ _smartckpt_prune() {
     '--dry-run[Show what would be removed; remove nothing.]' \
     '--wait[Seconds to wait for a save in flight to commit.]:wait: ' \
     '--json[Machine-readable output.]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -84,6 +87,7 @@ _smartckpt_rollback() {
     '--to[Resume from this step next time.]:to: ' \
     '--to-prev[Resume from the checkpoint before the newest one.]' \
     '--undo[Reverse the newest rollback still in force.]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -94,6 +98,7 @@ _smartckpt_export() {
     '--format[File format.]:format:(torch safetensors)' \
     '--weights-only[Only the models'\'' state_dicts (no optimizer, RNG...).]' \
     '--force[Replace OUT if it exists.]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files' \
     ':out:_files'

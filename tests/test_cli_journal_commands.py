@@ -408,3 +408,26 @@ def test_help_has_an_example(command: list[str], flag: str) -> None:
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())
     assert "Example" in text and f"smartckpt {command[0] if command[0] != 'ls' else ''}".strip() in text
+
+
+def test_a_store_with_its_journal_elsewhere(tmp_path: Path) -> None:
+    import torch
+
+    from smartckpt_cli import CheckpointManager
+
+    blobs, meta = tmp_path / "nvme", tmp_path / "shared"
+    model = torch.nn.Linear(8, 8)
+    with CheckpointManager(blobs, meta_dir=meta, keep_last=5) as mgr:
+        mgr.register(model=model)
+        for step in (1, 2, 3):
+            mgr.save(step, blocking=True).wait()
+    opt = ["--meta-dir", str(meta)]
+    assert [r["step"] for r in _json(["inspect", str(blobs), *opt, "--json"])["checkpoints"]] == [3, 2, 1]
+    assert _json(["verify", str(blobs), "--all", *opt, "--json"])["ok"]
+    assert [r["step"] for r in _json(["prune", str(blobs), "--keep", "1", *opt, "--json"])["removed"]] == [
+        2,
+        1,
+    ]
+    assert runner.invoke(app, ["export", str(blobs), str(tmp_path / "m.pt"), *opt]).exit_code == 0
+    r = runner.invoke(app, ["inspect", str(blobs)])
+    assert r.exit_code != 0 and "not a smartckpt checkpoint store" in str(r.exception)

@@ -18,12 +18,21 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-__all__ = ["DirArg", "err", "human", "out", "progress_bar", "say"]
+__all__ = ["DirArg", "MetaDirOpt", "err", "human", "out", "progress_bar", "say"]
 
 # readable=False: an unreadable directory is reported by open_store in one line (exit 2), not by
 # click's multi-line usage error.
 DirArg = Annotated[
     Path, typer.Argument(help="Checkpoint store directory.", show_default=False, readable=False)
+]
+
+MetaDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--meta-dir",
+        help="Where the journal lives, when the run put it apart from the blobs (meta_dir).",
+        readable=False,
+    ),
 ]
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, human, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, say
 
 __all__ = ["Format", "export"]
 
@@ -27,6 +27,7 @@ def export(
         bool, typer.Option("--weights-only", help="Only the models' state_dicts (no optimizer, RNG...).")
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")] = False,
+    meta_dir: MetaDirOpt = None,
 ) -> None:
     """Write a checkpoint as a torch or safetensors file that loads without smartckpt.
 
@@ -51,7 +52,7 @@ def export(
     from smartckpt_cli.export import export as run_export
     from smartckpt_cli.store_dir import open_store
 
-    store = open_store(directory)
+    store = open_store(directory, meta_dir)
     result = run_export(store, out, step=step, fmt=fmt.value, weights_only=weights_only, force=force)
     say(
         f"exported step {result.step} ({result.id}) to {result.path}: {result.format}, "

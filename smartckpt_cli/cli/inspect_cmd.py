@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from smartckpt_cli.cli._shared import DirArg, human, out, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, out, say
 
 __all__ = ["inspect"]
 
@@ -20,6 +20,7 @@ def inspect(
         int | None, typer.Option("--step", help="Show this checkpoint's manifest, tensor by tensor.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    meta_dir: MetaDirOpt = None,
 ) -> None:
     """List the checkpoints of a store, newest first (alias: ls).
 
@@ -38,7 +39,7 @@ def inspect(
     from smartckpt_cli.catalog import describe, list_checkpoints
     from smartckpt_cli.store_dir import open_store
 
-    store = open_store(directory)
+    store = open_store(directory, meta_dir)
     if step is not None:
         detail = describe(store, step)
         if as_json:

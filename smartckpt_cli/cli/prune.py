@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, human, progress_bar, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, progress_bar, say
 
 __all__ = ["prune"]
 
@@ -24,6 +24,7 @@ def prune(
         float, typer.Option("--wait", min=0, help="Seconds to wait for a save in flight to commit.")
     ] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    meta_dir: MetaDirOpt = None,
 ) -> None:
     """Remove old checkpoints and unreferenced blobs, never the newest verified one.
 
@@ -51,7 +52,7 @@ def prune(
     from smartckpt_cli.prune import carry_out
     from smartckpt_cli.store_dir import open_store
 
-    store = open_store(directory)
+    store = open_store(directory, meta_dir)
     writer = active_writer(store)
     with progress_bar("verifying the newest checkpoint") as progress:
         result = carry_out(store, keep, dry_run=dry_run, lock_timeout=wait, progress=progress)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, say
 
 __all__ = ["rollback"]
 
@@ -18,6 +18,7 @@ def rollback(
         bool, typer.Option("--to-prev", help="Resume from the checkpoint before the newest one.")
     ] = False,
     undo: Annotated[bool, typer.Option("--undo", help="Reverse the newest rollback still in force.")] = False,
+    meta_dir: MetaDirOpt = None,
 ) -> None:
     """Make the next resume start from an earlier checkpoint (or --undo that).
 
@@ -43,7 +44,7 @@ def rollback(
     from smartckpt_cli.store_dir import open_store
     from smartckpt_cli.verify import verify
 
-    store = open_store(directory)
+    store = open_store(directory, meta_dir)
     state, events = store.journal.read_events(consistent=True)
     plan = plan_rollback(state.records, events, to_step=to, to_prev=to_prev, undo=undo)
     if plan.target is not None:

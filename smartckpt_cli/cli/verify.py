@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, human, progress_bar, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, progress_bar, say
 
 __all__ = ["verify"]
 
@@ -25,6 +25,7 @@ def verify(
         bool,
         typer.Option("--record/--no-record", help="Note the outcome in the journal, for inspect."),
     ] = True,
+    meta_dir: MetaDirOpt = None,
 ) -> None:
     """Re-hash and decode checkpoints; exit 1 naming each corrupt one.
 
@@ -55,7 +56,7 @@ def verify(
 
     if step is not None and all_:
         raise UsageError("--step and --all exclude each other")
-    store = open_store(directory)
+    store = open_store(directory, meta_dir)
     with progress_bar("verifying") as progress:
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
     if record:
