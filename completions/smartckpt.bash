@@ -67,6 +67,7 @@ _smartckpt() {
             case "$prev" in
             esac
             [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "-h --help" -- "$cur")) && return
+            COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")); return
             ;;
         "bench")
             case "$prev" in

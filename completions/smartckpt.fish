@@ -46,6 +46,7 @@ complete -c smartckpt -n '__fish_seen_subcommand_from export' -l weights-only -d
 complete -c smartckpt -n '__fish_seen_subcommand_from export' -l force -d 'Replace OUT if it exists.'
 complete -c smartckpt -n '__fish_seen_subcommand_from export' -l meta-dir -r -d 'Where the journal lives, when the run put it apart from the blobs (meta_dir).'
 complete -c smartckpt -n '__fish_seen_subcommand_from export' -s h -l help -d 'Show this message and exit.'
+complete -c smartckpt -f -n '__fish_seen_subcommand_from completions' -a 'bash zsh fish'
 complete -c smartckpt -n '__fish_seen_subcommand_from completions' -s h -l help -d 'Show this message and exit.'
 complete -c smartckpt -n '__fish_seen_subcommand_from bench' -l params -x -d 'Model size in parameters (e.g. 1e8, 2.5e7).'
 complete -c smartckpt -n '__fish_seen_subcommand_from bench' -l reps -x -d 'Repetitions; each figure is their median.'

@@ -107,7 +107,7 @@ _smartckpt_export() {
 _smartckpt_completions() {
   _arguments -s \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
-    ':shell:_files'
+    ':shell:(bash zsh fish)'
 }
 
 _smartckpt_bench() {

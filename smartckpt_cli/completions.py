@@ -36,7 +36,9 @@ class CommandSpec:
     aliases: tuple[str, ...]  # names that reach the same command (inspect, ls)
     help: str
     options: list[OptionSpec] = field(default_factory=list)
-    positional: list[tuple[str, bool]] = field(default_factory=list)  # (name, variadic)
+    positional: list[tuple[str, bool, tuple[str, ...]]] = field(
+        default_factory=list
+    )  # name, variadic, choices
     subcommands: list[CommandSpec] = field(default_factory=list)
 
 
@@ -66,7 +68,7 @@ def _spec(cmd: Any, ctx: Any, path: tuple[str, ...]) -> CommandSpec:
                 )
             )
         elif p.param_type_name == "argument":
-            spec.positional.append((p.name or "arg", p.nargs == -1))
+            spec.positional.append((p.name or "arg", p.nargs == -1, _value_kind(p)[0]))
     if hasattr(cmd, "list_commands"):
         by_callback: dict[int, CommandSpec] = {}
         for name in cmd.list_commands(ctx):
@@ -192,6 +194,9 @@ def _bash(spec: CommandSpec, prog: str) -> str:
         lines.append(
             f'            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "{_words(c.options)}" -- "$cur")) && return'
         )
+        choices = [" ".join(ch) for _, _, ch in c.positional if ch]
+        if choices:
+            lines.append(f'            COMPREPLY=($(compgen -W "{choices[0]}" -- "$cur")); return')
         lines.append("            ;;")
     lines += [
         "    esac",
@@ -256,8 +261,9 @@ def _zsh_fn(c: CommandSpec, prog: str) -> list[str]:
         lines += ["      esac ;;", "  esac", "}"]
         return lines
     specs = [_zsh_option(o) for o in c.options]
-    for arg, variadic in c.positional:
-        specs.append(f"'*:{arg}:_files'" if variadic else f"':{arg}:_files'")
+    for arg, variadic, choices in c.positional:
+        action = f"({' '.join(choices)})" if choices else "_files"
+        specs.append(f"'*:{arg}:{action}'" if variadic else f"':{arg}:{action}'")
     lines.append("  _arguments -s \\")
     lines += [f"    {s} \\" for s in specs[:-1]]
     lines.append(f"    {specs[-1]}" if specs else "    ''")
@@ -312,6 +318,9 @@ def _fish(spec: CommandSpec, prog: str) -> str:
                         f"and not __fish_seen_subcommand_from {subs}' -a {a} -d {_fq(s.help)}"
                     )
             continue
+        for _, _, choices in c.positional:
+            if choices:
+                lines.append(f"complete -c {prog} -f -n '{cond}' -a {_fq(' '.join(choices))}")
         for o in c.options:
             parts = [f"complete -c {prog} -n '{cond}'"]
             for f in o.flags:

@@ -69,6 +69,7 @@ def test_bash_script_completes() -> None:
     assert _bash_complete(["smartckpt", "export", "d", "o", "--format", "''"]) == ["torch", "safetensors"]
     assert _bash_complete(["smartckpt", "config", "''"]) == ["show", "-h", "--help"]
     assert "--set" in _bash_complete(["smartckpt", "config", "show", "--"])
+    assert _bash_complete(["smartckpt", "completions", "''"]) == ["bash", "zsh", "fish"]
 
 
 @pytest.mark.parametrize("shell", ["zsh", "fish"])
