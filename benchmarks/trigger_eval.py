@@ -10,7 +10,9 @@ of 10⁹ steps, a budget of 10⁹ s): saves would only disturb the step times.
 1. ``clean``: a plain fine-tune.
 2. ``spikes``: the same fine-tune, but at a few chosen steps the learning rate is multiplied by
    ``--spike-factor`` for ``--spike-len`` optimizer steps. The loss really spikes and the
-   gradient variance really reacts; nothing is injected into the trace.
+   gradient variance really reacts; nothing is injected into the trace. With
+   ``--spike-shape ramp`` the factor is reached geometrically over the ``--spike-len`` steps
+   instead: an instability that builds up, whose gradients react before the loss does.
 
 ``smartckpt simulate``'s engine then replays each trace under the fixed, seed and adaptive
 policies at the same number of checkpoints (see smartckpt_cli/simulate.py for the calibration,
@@ -53,7 +55,14 @@ def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[
     model = C.load_minilm(num_layers=args.layers)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    perturbed = {s + j for s in spikes for j in range(args.spike_len)}  # loop indices
+    # loop index -> learning-rate multiplier. "jolt": the full factor at once (no precursor);
+    # "ramp": the factor reached geometrically over spike_len steps, an instability that builds
+    # up (the gradients react before the loss does).
+    perturbed: dict[int, float] = {}
+    for s in spikes:
+        for j in range(args.spike_len):
+            ramp = args.spike_factor ** ((j + 1) / args.spike_len)
+            perturbed[s + j] = ramp if args.spike_shape == "ramp" else args.spike_factor
     losses: list[float] = []
     t0 = time.perf_counter()
     with CheckpointManager(
@@ -63,7 +72,7 @@ def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[
         for i in range(args.steps):
             warm = min(1.0, (i + 1) / args.warmup)
             for g in opt.param_groups:
-                g["lr"] = args.lr * warm * (args.spike_factor if i in perturbed else 1.0)
+                g["lr"] = args.lr * warm * perturbed.get(i, 1.0)
             loss = C.pair_loss(model, data.batch(i, args.seed, args.batch))
             loss.backward()
             if args.clip:
@@ -207,6 +216,7 @@ def main() -> None:
     ap.add_argument("--spikes", default="150,275,400", help="loop steps where the lr is multiplied")
     ap.add_argument("--spike-factor", type=float, default=400.0)
     ap.add_argument("--spike-len", type=int, default=1, help="optimizer steps per perturbation")
+    ap.add_argument("--spike-shape", choices=("jolt", "ramp"), default="jolt")
     ap.add_argument("--mtbf", type=float, default=300.0, help="x step time")
     ap.add_argument("--save-cost", type=float, default=0.25, help="x step time")
     ap.add_argument("--save-total", type=float, default=2.0, help="x step time")
