@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli.errors import NoCheckpointError, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, UsageError
 from smartckpt_cli.restore import candidates, load_checkpoint
 from smartckpt_cli.statetree import tensor_keys, unflatten
 from smartckpt_cli.store_dir import StoreDir
@@ -132,8 +132,21 @@ def export(
             raise UsageError(
                 "--format safetensors needs the safetensors package (pip install safetensors)"
             ) from None
-    rec, store_id = _pick(store, step)
-    loaded = load_checkpoint(store.storage, store.blobs, rec, store_id)
+    for attempt in range(3):
+        rec, store_id = _pick(store, step)
+        try:
+            loaded = load_checkpoint(store.storage, store.blobs, rec, store_id)
+            break
+        except CheckpointCorrupt:
+            # A running job may prune the checkpoint while it is being read: that is not
+            # corruption. Pick again (the newest live one) unless a step was asked for.
+            pruned = any(r.id == rec.id and r.pruned for r in store.journal.read().records)
+            if not pruned or attempt == 2:
+                raise
+            if step is not None:
+                raise UsageError(
+                    f"step {rec.step} was pruned by the running job while being exported"
+                ) from None
     state, missing = build_state(loaded.manifest, loaded.tensors, weights_only=weights_only)
     if weights_only and not state:
         raise UsageError(f"step {rec.step} holds no model (nn.Module) to export with --weights-only")
