@@ -17,7 +17,16 @@ from smartckpt_cli.journal import CheckpointRecord
 from smartckpt_cli.restore import candidates, read_manifest
 from smartckpt_cli.store_dir import StoreDir
 
-__all__ = ["Catalog", "EntryRow", "ManifestDetail", "Row", "active_writer", "describe", "list_checkpoints"]
+__all__ = [
+    "Catalog",
+    "EntryRow",
+    "ManifestDetail",
+    "Row",
+    "active_writer",
+    "blob_sizes",
+    "describe",
+    "list_checkpoints",
+]
 
 
 @dataclass
@@ -61,7 +70,8 @@ class Catalog:
         }
 
 
-def _blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
+def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
+    """Encoded size of every blob a manifest references, by blob id."""
     out: dict[str, int] = {}
     for entry in manifest.get("entries", {}).values():
         for stream in (entry.get("data"), entry.get("patch")):
@@ -111,7 +121,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
             problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
         except OSError as err:
             problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
-    sizes = {cid: _blob_sizes(m) for cid, m in manifests.items()}
+    sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:

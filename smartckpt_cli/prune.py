@@ -85,7 +85,7 @@ def newest_verified(
 
 def _unique_bytes(store: StoreDir, state: JournalState, doomed: list[CheckpointRecord]) -> int:
     """Encoded bytes referenced only by ``doomed`` among the checkpoints still on disk."""
-    from smartckpt_cli.catalog import _blob_sizes
+    from smartckpt_cli.catalog import blob_sizes
     from smartckpt_cli.restore import read_manifest
 
     gone = {r.id for r in doomed}
@@ -95,7 +95,7 @@ def _unique_bytes(store: StoreDir, state: JournalState, doomed: list[CheckpointR
         if rec.pruned:
             continue
         try:
-            sizes = _blob_sizes(read_manifest(store.storage, rec, state.store_id))
+            sizes = blob_sizes(read_manifest(store.storage, rec, state.store_id))
         except Exception:  # an unreadable manifest: estimate without it
             continue
         if rec.id in gone:
