@@ -47,6 +47,10 @@ def read_manifest(storage: Storage, record: CheckpointRecord, store_id: str | No
         raise CheckpointCorrupt(
             f"step {record.step}: manifest {record.manifest} is missing", tier="L1"
         ) from err
+    except OSError as err:  # e.g. permissions changed since the save: skip it like damage
+        raise CheckpointCorrupt(
+            f"step {record.step}: manifest {record.manifest} is unreadable: {err.strerror}", tier="L1"
+        ) from err
     if codec.blob_id(data) != record.manifest_hash:
         raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} hash mismatch", tier="L1")
     try:
