@@ -19,6 +19,8 @@ import pytest
 import torch
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
 
+from tests._state import assert_same_state
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ROOT / "hooks"
 SCRIPT = ROOT / "tests" / "scripts" / "zero_code_train.py"
@@ -284,20 +286,6 @@ def plain_reference(tmp_path_factory):
     return _plain_run(tmp_path_factory)
 
 
-def _assert_same_state(a, b):
-    for k in b["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"model entry {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sb:
-        for k in sb[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}/{k} differs"
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    assert a["scheduler"] == b["scheduler"]
-    assert torch.equal(a["rng"], b["rng"]), "torch RNG state differs at the end"
-    assert a.get("scaler") == b.get("scaler")
-
-
 def _run_until_step(args: list[str], env: dict[str, str], cwd: Path, kill_at: int) -> tuple[str, int]:
     proc = subprocess.Popen(
         args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -335,7 +323,7 @@ def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, tmp_path_factory, p
     trace = _trace(res.stdout)
     assert min(trace) == start + 1 and max(trace) == TOTAL
     assert all(trace[n] == ref_trace[n] for n in trace), "loss trace after the resume differs"
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
     # The heartbeat of the finished run, and its final checkpoint.
     beats = [
@@ -350,7 +338,7 @@ def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, tmp_path_factory, p
     # Started again after it finished: resumes at the end and trains no further step.
     res = _run(args, env, tmp_path)
     assert res.returncode == 0 and f"start {TOTAL}" in res.stdout and "step " not in res.stdout
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 
 def test_start_step_outside_smartckpt_run_is_zero(tmp_path, python, child_env):
@@ -425,7 +413,7 @@ def test_zero_code_sigterm_saves_and_resumes_bit_exact(tmp_path, python, child_e
     assert f"start {last}" in res.stdout
     trace = _trace(res.stdout)
     assert all(trace[n] == ref_trace[n] for n in trace)
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 
 def test_processes_that_do_not_train_stay_untouched(tmp_path, python, child_env):

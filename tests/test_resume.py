@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from smartckpt_cli.cli.demo import run_until
+from tests._state import assert_same_state
 
 STEPS = 48
 
@@ -44,18 +45,6 @@ def reference(tmp_path_factory):
     return _trace(lines), torch.load(d / "final.pt", weights_only=True)
 
 
-def _assert_same_state(a, b):
-    for k in b["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"model entry {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sb:
-        for k in sb[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}/{k} differs"
-    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
-    assert torch.equal(a["rng"], b["rng"]), "torch RNG state differs at the end"
-
-
 KILL_STEPS = sorted(random.Random(time.time_ns()).sample(range(3, STEPS - 2), 5))
 
 
@@ -79,7 +68,7 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     trace = _trace(lines)
     assert min(trace) == resumed_from + 1
     assert trace == {n: ref_trace[n] for n in trace}, "loss trace after the resume differs"
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 
 def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
@@ -92,7 +81,7 @@ def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
     assert rc == 0
     trace = _trace(lines)
     assert trace == {n: ref_trace[n] for n in trace}
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 
 def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, python, reference):
@@ -126,4 +115,4 @@ def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, py
     assert any(ln.startswith(f"restored step {last}:") for ln in lines)
     trace = _trace(lines)
     assert min(trace) == last + 1 and trace == {n: ref_trace[n] for n in trace}
-    _assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)

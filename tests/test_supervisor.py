@@ -22,6 +22,7 @@ import torch
 
 from smartckpt_cli.journal import Journal
 from smartckpt_cli.storage.local import LocalStorage
+from tests._state import assert_same_state
 
 pytestmark = pytest.mark.slow
 
@@ -59,18 +60,6 @@ def _record(store: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _same_state(a: dict, b: dict) -> None:
-    for k in b["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), f"model entry {k} differs"
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sb:
-        for k in sb[i]:
-            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}/{k} differs"
-    assert a["scheduler"] == b["scheduler"]
-    assert torch.equal(a["rng"], b["rng"])
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """An uninterrupted run of the same script, outside the supervisor."""
@@ -92,7 +81,7 @@ def test_sigkill_at_a_random_step_finishes_bit_exact(tmp_path, child_env, refere
         tmp_path, _env(child_env),
     )  # fmt: skip
     assert rc == 0, out
-    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
     rec = _record(tmp_path / "ck")
     assert rec["outcome"] == "finished" and rec["restarts"] == 1
     first = rec["attempts"][0]
@@ -141,7 +130,7 @@ def test_hang_is_detected_dumped_killed_and_resumed(tmp_path, child_env, referen
     stacks = Path(first["stacks"]).read_text()
     assert "supervised_train.py" in stacks  # the hung frame, from faulthandler
     assert f"stacks of the hung child in {first['stacks']}" in out
-    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
 
 
 def test_crash_loop_rolls_back_once_then_stops(tmp_path, child_env):
@@ -198,7 +187,7 @@ def test_sigterm_child_saves_both_exit_in_grace_and_resume_is_bit_exact(tmp_path
                    tmp_path, env)  # fmt: skip
     assert rc == 0, out
     assert f"start {ckpt.step}" in out
-    _same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), reference)
 
 
 def test_python_isolated_mode_warns_that_hooks_are_not_live(tmp_path, child_env):
@@ -277,7 +266,7 @@ def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, c
     first = rec["attempts"][0]
     assert rec["restarts"] == 1 and first["max_step"] == kill_at, out
     assert f"start {first['restart_from']}" in out
-    _same_state(
+    assert_same_state(
         torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
     )
 

@@ -86,7 +86,12 @@ class LocalStorage:
             return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
 
     def sync_dirs(self, dirs: Iterable[str]) -> None:
-        for d in sorted(set(dirs)):
+        """Make the names in ``dirs`` durable, and the directories themselves: a fan-out
+        directory (``blobs/ab``) made by this save exists after a power cut only once its parent
+        is fsynced too (POSIX does not promise it; ext4 and XFS happen to)."""
+        wanted = set(dirs)
+        parents = {str(Path(d).parent) for d in wanted if str(Path(d).parent) not in ("", ".")}
+        for d in sorted(wanted | parents, key=lambda d: (-d.count("/"), d)):  # children first
             _fsync_dir(self.path(d))
 
     def append(self, rel: str, data: bytes) -> None:
