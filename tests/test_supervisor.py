@@ -221,7 +221,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, child_env, args, env, messag
 def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp_path, child_env):
     proc = _start(
         ["--dir", "ck", "--every", "1000", str(SCRIPT), "--total", str(TOTAL), "--step-time", "0.1"],
-        tmp_path, _env(child_env, SMARTCKPT_LOG_EVERY="0.5"),
+        # eval_every 1: every heartbeat carries a loss (with 10, the status lines before step
+        # 10 have none, and the preemption can come first)
+        tmp_path, _env(child_env, SMARTCKPT_LOG_EVERY="0.5", SMARTCKPT_EVAL_EVERY="1"),
     )  # fmt: skip
     assert proc.stdout is not None
     lines = []
