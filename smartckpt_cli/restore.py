@@ -1,8 +1,8 @@
 """Pick the newest committed checkpoint that verifies, and load it.
 
 Selection is pure (:func:`candidates`); :func:`load_checkpoint` reads and verifies one checkpoint
-completely into memory (blob hash = its name, decoded bytes = the manifest's raw hash) before
-anything is loaded into the training objects, so a failure never leaves a half-restored model.
+completely into memory (decoded bytes = the manifest's raw hash; a blob's own hash only names a
+fault) before anything is loaded into the training objects, so a failure never leaves a half-restored model.
 """
 
 from __future__ import annotations
@@ -69,16 +69,22 @@ def _read_stream(blobs: BlobStore, stream: dict[str, Any], out: np.ndarray, item
             data = blobs.get(bid)
         except FileNotFoundError as err:
             raise ValueError(f"missing blob {bid}") from err
-        if codec.blob_id(data) != bid:
-            raise ValueError(f"hash mismatch in blob {bid}")
         part = out[pos : pos + raw_len]
         if part.size != raw_len:
             raise ValueError(f"chunks of {key} overrun its size")
+        # The decoded bytes are checked against the raw hash, which is what restore needs; the
+        # blob's own hash is computed only to name the fault when that check fails (one pass over
+        # the encoded bytes saved on every healthy restore).
         try:
-            decoded_hash = codec.decode_into(cod, data, part, itemsize)
+            decoded_hash: str | None = codec.decode_into(cod, data, part, itemsize)
+            decode_error: Exception | None = None
         except Exception as err:  # a corrupt zstd frame raises its own error types
-            raise ValueError(f"undecodable chunk {bid}: {err}") from err
+            decoded_hash, decode_error = None, err
         if decoded_hash != rh:
+            if codec.blob_id(data) != bid:
+                raise ValueError(f"hash mismatch in blob {bid}")
+            if decode_error is not None:
+                raise ValueError(f"undecodable chunk {bid}: {decode_error}") from decode_error
             raise ValueError(f"decoded chunk {bid} does not match its raw hash")
         pos += raw_len
     if pos != out.size:
