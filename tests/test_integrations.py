@@ -1,0 +1,82 @@
+"""Framework integrations end to end: a Hugging Face Trainer and a Lightning Trainer, with no
+smartckpt code in their scripts, SIGKILLed mid-run under ``smartckpt run`` and restarted by it.
+
+Each resumed run must finish at its last step with the loss trace of an uninterrupted run (the
+largest difference is printed; on this deterministic CPU setup it is 0), and the checkpoints on
+disk must be smartckpt's alone: no ``checkpoint-*`` folders, no ``.ckpt`` files.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+HF_SCRIPT = ROOT / "tests" / "scripts" / "hf_train.py"
+PL_SCRIPT = ROOT / "tests" / "scripts" / "lightning_train.py"
+
+
+def _losses(out: str) -> dict[int, float]:
+    """``loss STEP HEX`` lines; a step run twice (before and after a restart) keeps its last value."""
+    found: dict[int, float] = {}
+    for line in out.splitlines():
+        if line.startswith("loss "):
+            _, step, value = line.split()
+            found[int(step)] = float.fromhex(value)
+    return found
+
+
+def _reference(script: Path, tmp: Path, env: dict[str, str], *args: str) -> dict[int, float]:
+    out = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp / "ref"), *args],
+        env=env, cwd=tmp, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    return _losses(out.stdout)
+
+
+def _supervised(script: Path, tmp: Path, env: dict[str, str], every: int, *args: str) -> tuple[str, dict]:
+    run_env = dict(env, SMARTCKPT_RESTART_BACKOFF="0.1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", str(every),
+         str(script), "--out", str(tmp / "out"), *args],
+        env=run_env, cwd=tmp, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    (record,) = (tmp / "ck" / "runs").glob("*.json")
+    return out, json.loads(record.read_text())
+
+
+def _compare(reference: dict[int, float], resumed: dict[int, float], total: int) -> float:
+    assert sorted(reference) == sorted(resumed) == list(range(1, total + 1))
+    diff = max(abs(reference[s] - resumed[s]) for s in reference)
+    print(f"max |loss difference| over {total} steps: {diff:.3g}")
+    assert diff <= 1e-6
+    return diff
+
+
+# (every, kill_at): the resume lands in the middle of an epoch (batches skipped, RNG restored after
+# the first batch) or on an epoch boundary (RNG restored before the epoch's iterator is made).
+@pytest.mark.parametrize(("every", "kill_at", "restored"), [(5, 13, 10), (6, 15, 12)])
+def test_hf_trainer_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env, every, kill_at, restored):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    steps = 24  # 12 per epoch
+    reference = _reference(HF_SCRIPT, tmp_path, child_env, "--max-steps", str(steps))
+    out, record = _supervised(HF_SCRIPT, tmp_path, child_env, every, "--max-steps", str(steps),
+                              "--kill-at", str(kill_at))  # fmt: skip
+    assert record["restarts"] == 1 and record["attempts"][0]["cause"] == "killed by SIGKILL", out
+    assert record["attempts"][0]["restart_from"] == restored, out
+    assert f"global_step {steps}" in out and out.count("\ndone") == 1
+    _compare(reference, _losses(out), steps)
+    # save_strategy="steps", save_steps=5 in the script: the Trainer's own saves were suppressed.
+    assert not list((tmp_path / "out").glob("checkpoint-*")), list((tmp_path / "out").iterdir())
+    assert list((tmp_path / "ck" / "manifests").glob("*.json"))
