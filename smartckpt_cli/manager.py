@@ -243,6 +243,11 @@ class CheckpointManager:
         the blocking save, so their own SLURM requeue runs. False outside the main thread."""
         return self._preempt.reinstall()
 
+    def remove_signal_handlers(self) -> None:
+        """Take the preemption handlers off until :meth:`install_signal_handlers` (a framework that
+        only installs its own where none is installed yet, as Lightning does, must see none)."""
+        self._preempt.uninstall()
+
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
         # The lazy snapshot's guard: parameters and moments may only change once copied.
         snap = self._lazy_snapshot

@@ -80,3 +80,21 @@ def test_hf_trainer_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env
     # save_strategy="steps", save_steps=5 in the script: the Trainer's own saves were suppressed.
     assert not list((tmp_path / "out").glob("checkpoint-*")), list((tmp_path / "out").iterdir())
     assert list((tmp_path / "ck" / "manifests").glob("*.json"))
+
+
+def test_lightning_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env):
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("torchdata")
+    # One epoch of 24 batches: the resume lands mid-epoch, where Lightning's loop state carries the
+    # StatefulDataLoader's position. (After a mid-epoch resume, the order of the *next* epoch is
+    # StatefulDataLoader's own business and differs even without smartckpt: tests/test_data_position.py.)
+    steps = 24
+    reference = _reference(PL_SCRIPT, tmp_path, child_env, "--max-steps", str(steps))
+    assert list((tmp_path / "ref").rglob("*.ckpt")), "the script keeps Lightning's default ModelCheckpoint"
+    out, record = _supervised(PL_SCRIPT, tmp_path, child_env, 5, "--max-steps", str(steps), "--kill-at", "17")
+    assert record["restarts"] == 1 and record["attempts"][0]["cause"] == "killed by SIGKILL", out
+    assert record["attempts"][0]["restart_from"] == 15, out
+    assert f"global_step {steps}" in out and out.count("\ndone") == 1
+    _compare(reference, _losses(out), steps)
+    assert not list(tmp_path.rglob("*.ckpt")) or all("ref" in p.parts for p in tmp_path.rglob("*.ckpt"))
+    assert list((tmp_path / "ck" / "manifests").glob("*.json"))
