@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer"  # the name TrainerState is stored under
 
 
-class SmartCheckpointCallback(TrainerCallback):  # type: ignore[misc]
+class SmartCheckpointCallback(TrainerCallback):
     """Checkpoints a ``transformers.Trainer`` with smartckpt (see the module docstring).
 
     ``directory`` and ``settings`` (any :class:`~smartckpt_cli.config.Settings` field, such as

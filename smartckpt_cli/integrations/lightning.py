@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 LOOPS = "lightning"  # the name Lightning's loop state is stored under
 
 
-class SmartCheckpointCallback(pl.Callback):  # type: ignore[misc,name-defined]
+class SmartCheckpointCallback(pl.Callback):
     """Checkpoints a Lightning Trainer with smartckpt (see the module docstring).
 
     ``directory`` and ``settings`` (any :class:`~smartckpt_cli.config.Settings` field) build the
@@ -156,7 +156,7 @@ class SmartCheckpointCallback(pl.Callback):  # type: ignore[misc,name-defined]
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        loss = loss.detach() if hasattr(loss, "detach") else None
+        loss = loss.detach() if loss is not None and hasattr(loss, "detach") else None
         if self.manager.step(trainer.global_step, loss=loss).saved:
             self._saved = trainer.global_step
 
