@@ -9,8 +9,11 @@ disk must be smartckpt's alone: no ``checkpoint-*`` folders, no ``.ckpt`` files.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,48 @@ def test_lightning_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env)
     _compare(reference, _losses(out), steps)
     assert not list(tmp_path.rglob("*.ckpt")) or all("ref" in p.parts for p in tmp_path.rglob("*.ckpt"))
     assert list((tmp_path / "ck" / "manifests").glob("*.json"))
+
+
+def test_lightning_slurm_auto_requeue_still_gets_its_signal(tmp_path, child_env):
+    """Lightning installs its SLURM auto-requeue handler on SIGUSR1 only where none is installed;
+    smartckpt's goes on top of it at on_train_start and hands the signal on after its blocking
+    save. A real SIGUSR1: smartckpt commits a preemption checkpoint, then Lightning's handler
+    saves its HPC checkpoint and calls ``scontrol requeue`` (a stand-in that records its
+    arguments)."""
+    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("torchdata")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    env = dict(
+        child_env,
+        PATH=f"{bin_dir}{os.pathsep}{child_env.get('PATH', '')}",
+        SLURM_JOB_ID="4242", SLURM_NTASKS="1", SLURM_JOB_NAME="train", SLURM_NODELIST="localhost",
+        SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+    )  # fmt: skip
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(
+        [sys.executable, str(PL_SCRIPT), "--out", str(tmp_path / "out"), "--max-steps", "24",
+         "--step-time", "0.2", "--ready", str(ready), "--smartckpt", str(tmp_path / "ck")],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the training never reached its first step"
+        time.sleep(0.5)  # on_train_start has run: smartckpt's handler is on top of Lightning's
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"], out
+    assert list((tmp_path / "out").glob("hpc_ckpt_*.ckpt")), "Lightning's own requeue handler did not run"
+    reasons = [
+        json.loads(p.read_text())["meta"]["reason"] for p in (tmp_path / "ck" / "manifests").glob("*.json")
+    ]
+    assert "preemption (SIGUSR1)" in json.dumps(reasons), reasons

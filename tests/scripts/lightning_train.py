@@ -6,7 +6,8 @@ write no ``.ckpt`` file.
 
 Arguments: --out DIR (default_root_dir), --max-steps N (default 24: one epoch of 24 batches),
 --kill-at K (SIGKILL itself at the end of step K on the first attempt), --step-time S (sleep per
-step), --ready FILE (touched at the first step: a test may signal the process from then on).
+step), --ready FILE (touched at the first step: a test may signal the process from then on),
+--smartckpt DIR (add the callback explicitly, for runs outside ``smartckpt run``).
 Output: ``loss STEP HEX`` per step, ``global_step N`` and ``done`` at the end.
 """
 
@@ -71,6 +72,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--ready", default=None)
+    p.add_argument("--smartckpt", default=None, help="add SmartCheckpointCallback(DIR) explicitly")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -81,10 +83,15 @@ def main() -> None:
         torch.utils.data.TensorDataset(xs, ys), batch_size=4, shuffle=True,
         generator=torch.Generator().manual_seed(2),
     )  # fmt: skip
+    callbacks: list = [Faults(a.kill_at, a.step_time, a.ready)]
+    if a.smartckpt:
+        from smartckpt_cli.integrations.lightning import SmartCheckpointCallback
+
+        callbacks.append(SmartCheckpointCallback(a.smartckpt, every_steps=5, keep_last=100))
     trainer = pl.Trainer(
         max_steps=a.max_steps, default_root_dir=a.out, accelerator="cpu", devices=1, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[Faults(a.kill_at, a.step_time, a.ready)],
+        callbacks=callbacks,
     )  # fmt: skip
     trainer.fit(Model(a.max_steps), loader)
     print(f"global_step {trainer.global_step}", flush=True)
