@@ -77,7 +77,8 @@ class SmartCheckpointCallback(TrainerCallback):
         self._loaded: Any = None  # the checkpoint being resumed from, until on_train_begin
         self._loss: Any = None
         self._own = manager is None  # built (and closed) here
-        self._saved: int | None = None  # step of the newest checkpoint taken or restored
+        self._saved: int | None = None
+        self.restored_step = 0  # the step the last train() resumed from (0: started afresh)
 
     # ------------------------------------------------------------------ attach
 
@@ -121,7 +122,8 @@ class SmartCheckpointCallback(TrainerCallback):
             raise ValueError(f"the checkpoint of step {loaded.record.step} holds no Trainer state")
         self.manager.register(model=trainer.model)
         self.manager.apply(loaded, ["model"])
-        self._loaded, self._saved = loaded, loaded.record.step
+        self._loaded = loaded
+        self._saved = self.restored_step = loaded.record.step
         folder = tempfile.mkdtemp(prefix="smartckpt-resume-")
         with open(os.path.join(folder, "trainer_state.json"), "w") as f:
             json.dump(state, f)

@@ -75,6 +75,7 @@ class SmartCheckpointCallback(pl.Callback):
         self._own = manager is None
         self._rng_from: Any = None  # the checkpoint whose RNG state the first batch gets
         self._saved: int | None = None
+        self.restored_step = 0  # the step the last fit/train resumed from (0: started afresh)
 
     def attach(self, trainer: Any) -> SmartCheckpointCallback:
         """Add this callback to an already built Trainer. Returns self."""
@@ -119,7 +120,8 @@ class SmartCheckpointCallback(pl.Callback):
             "epoch": loops["epoch"],
             "global_step": loops["global_step"],
         }
-        self._rng_from, self._saved = loaded, loaded.record.step
+        self._rng_from = loaded
+        self._saved = self.restored_step = loaded.record.step
         logger.info("resuming the Lightning Trainer at global step %d", loaded.record.step)
 
     def _register(self, trainer: Any, pl_module: Any) -> list[str]:
