@@ -146,3 +146,33 @@ def test_lightning_slurm_auto_requeue_still_gets_its_signal(tmp_path, child_env)
         json.loads(p.read_text())["meta"]["reason"] for p in (tmp_path / "ck" / "manifests").glob("*.json")
     ]
     assert "preemption (SIGUSR1)" in json.dumps(reasons), reasons
+
+
+def test_manager_read_then_apply_piece_by_piece(tmp_path):
+    """What the callbacks build on: read() loads without applying, apply(names) loads only those."""
+    import torch
+
+    import smartckpt_cli as sc
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    with sc.CheckpointManager(tmp_path) as mgr:
+        assert mgr.read() is None  # an empty store
+        mgr.register(model=model, optimizer=opt)
+        mgr.save(7, blocking=True)
+    saved_weight = model.weight.detach().clone()
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with sc.CheckpointManager(tmp_path) as mgr:
+        mgr.register(model=fresh, optimizer=fresh_opt)
+        loaded = mgr.read()
+        assert loaded is not None and loaded.record.step == 7
+        assert not torch.equal(fresh.weight, saved_weight)  # read() applied nothing
+        assert mgr.apply(loaded, ["model"]) == 7
+        assert torch.equal(fresh.weight, saved_weight) and not fresh_opt.state  # only the model
+        mgr.apply(loaded, ["optimizer"])
+        assert torch.equal(
+            fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+        )

@@ -41,6 +41,7 @@ import logging
 import os
 import shutil
 import tempfile
+import types
 from typing import Any
 
 from transformers import TrainerCallback
@@ -96,7 +97,7 @@ class SmartCheckpointCallback(TrainerCallback):
         self.trainer = trainer
         cls = type(trainer)
         trainer.train = lambda *a, **kw: self._train(cls.train, *a, **kw)
-        inner_step = trainer.training_step
+        inner_step = types.MethodType(cls.training_step, trainer)  # not an earlier attach's wrapper
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             loss = inner_step(*args, **kwargs)
