@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any
 
 __all__ = ["patch"]
@@ -39,7 +40,10 @@ def patch(module: Any) -> None:
         if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
             logger.warning("smartckpt: the Trainer callback covers one process; WORLD_SIZE > 1: not added")
             return
-        add(self)
+        try:
+            add(self)
+        except Exception as err:  # never break the user's Trainer: it runs without smartckpt
+            print(f"smartckpt: Trainer callback not added ({type(err).__name__}: {err})", file=sys.stderr)
 
     setattr(__init__, _PATCHED, True)
     cls.__init__ = __init__
