@@ -14,7 +14,9 @@ What it does, in order, and never more than once per process:
    SyntaxError in the main script goes through ``sys.excepthook`` too), registers ``faulthandler``
    on SIGQUIT to dump every thread's stack into ``stacks.<pid>.txt``, and installs an import
    watcher: once ``torch`` has been imported, ``smartckpt_cli.runtime.install_hooks()`` adds the
-   global optimizer step hooks and the ``backward`` wrapper. Nothing else happens until an
+   global optimizer step hooks and the ``backward`` wrapper; once a Hugging Face or Lightning
+   trainer module has been imported, ``smartckpt_cli.integrations.auto`` gives its Trainer
+   smartckpt's callback. Nothing else happens until an
    optimizer steps, so processes that never train (the torchrun agent, DataLoader workers) stay
    untouched.
 
@@ -183,12 +185,17 @@ def _install_stack_dump(run_dir: str, proto: Any) -> None:
 
 
 class _TorchWatcher:
-    """A ``sys.meta_path`` finder that does not find anything itself: when ``torch`` is about to be
-    imported it lets the other finders locate it and wraps that loader's ``exec_module`` so that,
-    once torch is fully initialised, the runtime installs its hooks. Removes itself after that."""
+    """A ``sys.meta_path`` finder that does not find anything itself: when ``torch`` (or the module
+    it is given) is about to be imported it lets the other finders locate it and wraps that
+    loader's ``exec_module`` so that, once the module is fully initialised, ``then(module)`` runs
+    (for torch: the runtime installs its hooks). Removes itself after that."""
+
+    def __init__(self, name: str = "torch", then: Any = None) -> None:
+        self.name = name
+        self.then = then if then is not None else (lambda _module: _torch_loaded())
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "torch":
+        if fullname != self.name:
             return None
         self.remove()
         try:
@@ -200,7 +207,7 @@ class _TorchWatcher:
     def _watch(self, fullname: str, path: Any, target: Any) -> Any:
         spec = None
         for finder in list(sys.meta_path):
-            if hasattr(finder, "find_spec"):
+            if finder is not self and hasattr(finder, "find_spec"):
                 spec = finder.find_spec(fullname, path, target)
                 if spec is not None:
                     break
@@ -215,7 +222,7 @@ class _TorchWatcher:
             except AttributeError:
                 pass
             exec_module(module)
-            _torch_loaded()
+            self.then(module)
 
         loader.exec_module = exec_and_hook
         return spec
@@ -236,7 +243,33 @@ def _torch_loaded() -> None:
         _report("installing the torch hooks", err)
 
 
+# The trainers whose classes get smartckpt's callback (smartckpt_cli.integrations.auto).
+_TRAINER_MODULES = (
+    "transformers.trainer",
+    "pytorch_lightning.trainer.trainer",
+    "lightning.pytorch.trainer.trainer",
+)
+
+
+class _TrainerWatcher(_TorchWatcher):
+    """The same watcher for a trainer module (its own name, so the torch watcher stays countable)."""
+
+
+def _trainer_loaded(module: Any) -> None:
+    try:
+        from smartckpt_cli.integrations import auto
+
+        auto.patch(module)
+    except Exception as err:
+        _report("adding the trainer callback", err)
+
+
 def _install_torch_watcher() -> None:
+    for name in _TRAINER_MODULES:
+        if name in sys.modules:
+            _trainer_loaded(sys.modules[name])
+        else:
+            sys.meta_path.insert(0, _TrainerWatcher(name, _trainer_loaded))
     if "torch" in sys.modules:
         _torch_loaded()
         return

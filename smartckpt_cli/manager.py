@@ -42,7 +42,7 @@ from smartckpt_cli.errors import (
 )
 from smartckpt_cli.preempt import PreemptionWatch
 from smartckpt_cli.registry import adapt
-from smartckpt_cli.restore import candidates, load_checkpoint
+from smartckpt_cli.restore import Loaded, candidates, load_checkpoint
 from smartckpt_cli.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.rng import RNGState
 from smartckpt_cli.signals import SignalReading, Signals
@@ -237,6 +237,17 @@ class CheckpointManager:
         self._signals.arm(self._signals.due(self._last_step + 1))
         self._preempt.install()
 
+    def install_signal_handlers(self) -> bool:
+        """Install the preemption handlers again, on top of handlers a framework installed after
+        ``register`` (Lightning does at fit start); the signal is still handed on to those after
+        the blocking save, so their own SLURM requeue runs. False outside the main thread."""
+        return self._preempt.reinstall()
+
+    def remove_signal_handlers(self) -> None:
+        """Take the preemption handlers off until :meth:`install_signal_handlers` (a framework that
+        only installs its own where none is installed yet, as Lightning does, must see none)."""
+        self._preempt.uninstall()
+
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
         # The lazy snapshot's guard: parameters and moments may only change once copied.
         snap = self._lazy_snapshot
@@ -273,6 +284,13 @@ class CheckpointManager:
             return self._restore(include_unhealthy)
 
     def _restore(self, include_unhealthy: bool) -> int:
+        loaded = self.read(include_unhealthy=include_unhealthy)
+        return self.apply(loaded) if loaded is not None else 0
+
+    def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
+        """The newest committed checkpoint that verifies, loaded but not applied (None when the
+        store has none). Integrations whose objects appear at different times (a Trainer builds
+        its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
         self.wait()
         state = self.store.journal.read()
         tried: list[str] = []
@@ -299,17 +317,24 @@ class CheckpointManager:
                     "and re-initialising the optimizer state (on_l2_corrupt=reset)",
                     rec.step,
                 )
-            apply_checkpoint(loaded, self._objects)
-            self._persister.remember(loaded.manifest)
-            self.last_restore = loaded.manifest
-            self._committed = self._scheduled = (rec.step, time.monotonic())
-            logger.info("restored step %d from %s", rec.step, rec.manifest)
-            return rec.step
+            return loaded
         if tried:
             raise NoCheckpointError(
                 f"no checkpoint in {self.store.root} verifies ({len(tried)} tried); newest problem: {tried[0]}"
             )
-        return 0
+        return None
+
+    def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
+        """Load ``loaded`` (from :meth:`read`) into the registered objects, all of them or those
+        ``names``; returns its step. The manager counts from that step on."""
+        objects = self._objects if names is None else {n: self._objects[n] for n in names}
+        apply_checkpoint(loaded, objects)
+        if self.last_restore is not loaded.manifest:
+            self._persister.remember(loaded.manifest)
+            self.last_restore = loaded.manifest
+            self._committed = self._scheduled = (loaded.record.step, time.monotonic())
+            logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
+        return int(loaded.record.step)
 
     # ------------------------------------------------------------------ saving
 

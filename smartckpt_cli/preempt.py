@@ -36,6 +36,18 @@ class PreemptionWatch:
             self._previous[sig] = signal.signal(sig, self._handler)
         return True
 
+    def reinstall(self) -> bool:
+        """Put smartckpt's handlers back on top of what was installed since (a framework that sets
+        its own at start, Lightning's SLURM requeue): what replaced ours becomes the handler the
+        signal is handed on to after the save. False when not possible (not the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            current = signal.getsignal(sig)
+            if current != self._handler:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return True
+
     def uninstall(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return

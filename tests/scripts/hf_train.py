@@ -1,0 +1,110 @@
+"""A Hugging Face Trainer run with no smartckpt code: under ``smartckpt run`` the callback is added
+by itself. A tiny BERT classifier built from a config (no download), dropout on, shuffled data.
+
+The Trainer is told to save every 5 steps (``save_strategy="steps"``): under smartckpt those saves
+must not happen (no ``checkpoint-*`` folders).
+
+Arguments: --out DIR (the Trainer's output_dir), --max-steps N (default 24), --kill-at K (SIGKILL
+itself at the end of step K, on the first attempt only).
+Output: ``loss STEP HEX`` for every training step (float.hex of the loss), ``global_step N`` and
+``done`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(5, 100, (n, 12), generator=g)
+        self.labels = (self.ids[:, 0] > 50).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(12, dtype=torch.long),
+            "labels": self.labels[i],
+        }
+
+
+class LoggingTrainer(Trainer):
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        print(f"loss {self.state.global_step + 1} {float(loss.detach()).hex()}", flush=True)
+        return loss
+
+
+class KillAt(TrainerCallback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if (
+            self.step is not None
+            and state.global_step == self.step
+            and os.environ.get("SMARTCKPT_ATTEMPT", "0") == "0"
+        ):
+            time.sleep(1.5)  # the save taken a few steps ago commits in the background meanwhile
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-steps", type=int, default=24)
+    p.add_argument("--kill-at", type=int, default=None)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=2,
+        hidden_dropout_prob=0.2,
+    )
+    model = BertForSequenceClassification(cfg)
+    args = TrainingArguments(
+        output_dir=a.out,
+        max_steps=a.max_steps,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=3,
+        save_strategy="steps",
+        save_steps=5,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = LoggingTrainer(model=model, args=args, train_dataset=Data(), callbacks=[KillAt(a.kill_at)])
+    trainer.train()
+    print(f"global_step {trainer.state.global_step}", flush=True)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
