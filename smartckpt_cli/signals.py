@@ -143,7 +143,9 @@ class Signals:
         if not parts:
             return SignalReading(step, None, None, None)
         dev = parts[0].device
-        host = torch.stack([p.to(dev).float() for p in parts]).tolist()  # the one synchronisation
+        # A DTensor here (a statistic derived from FSDP2 state) counts by its local value: no
+        # collective is ever started from the signals.
+        host = torch.stack([local_tensor(p).to(dev).float() for p in parts]).tolist()  # the one sync
         losses = host[: len(self._losses)]
         var = None
         if grad is not None:
