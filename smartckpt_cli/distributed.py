@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 DIR_ID = "dir.id"
 # Long enough for a slow rank's background write, short enough that a dead peer is noticed; a rank
 # that dies normally breaks the gloo connection at once (the supervisor restarts the group).
-TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("SMARTCKPT_DIST_TIMEOUT", "900")))
+TIMEOUT = datetime.timedelta(seconds=900)
 
 
 def _launched_multi() -> bool:

@@ -27,9 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from smartckpt_cli.hooks import _smartckpt_protocol as proto
 
 from smartckpt_cli import CheckpointManager
-from smartckpt_cli.hooks import _smartckpt_protocol as proto
 
 
 def _local(v: object) -> object:
