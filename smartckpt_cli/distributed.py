@@ -189,15 +189,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 _managers: weakref.WeakSet[Any] = weakref.WeakSet()
 _guard_lock = threading.Lock()
+_before: dict[int, Callable[[], None]] = {}
 
 
-def guard_destroy(manager: Any) -> None:
+def guard_destroy(manager: Any, before: Callable[[], None] | None = None) -> None:
     """Make ``dist.destroy_process_group`` wait for ``manager``'s in-flight save first: the save
-    thread's last collectives need the world that call tears down."""
+    thread's last collectives need the world that call tears down. ``before``: what to run instead
+    of ``manager.close()`` (zero-code mode's final checkpoint, then close)."""
     import torch.distributed as dist
 
     with _guard_lock:
         _managers.add(manager)
+        if before is not None:
+            _before[id(manager)] = before
         original: Callable[..., Any] = dist.destroy_process_group
         if getattr(original, "_smartckpt", False):
             return
@@ -205,7 +209,7 @@ def guard_destroy(manager: Any) -> None:
         def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
             for m in list(_managers):
                 try:
-                    m.close()
+                    _before.pop(id(m), m.close)()
                 except Exception as err:  # a failed save is reported by close(); never block teardown
                     logger.warning("smartckpt: closing before destroy_process_group: %s", err)
             return original(*args, **kwargs)

@@ -197,3 +197,20 @@ def test_missing_node_local_part_makes_both_ranks_fall_back_together(tmp_path, c
     assert rc == 0, out
     assert "rank 0 start 5" in out and "rank 1 start 5" in out, out
     assert "cannot be loaded on every rank" in out and "rank 1:" in out and "fall back" in out, out
+
+
+def test_zero_code_ddp_under_smartckpt_run_resumes_bit_exact(tmp_path, child_env_module, reference):
+    """No smartckpt code but ``start_step()``: the hooks arm on every rank under torchrun."""
+    rc, out = _smartckpt_run(
+        ["--dir", "ck", "--every", "5", "--", *TORCHRUN, "2", str(SCRIPT), "--zero-code", "--total", str(TOTAL),
+         "--kill-at", "13", "--kill-rank", "1", "--step-time", "0.05", "--out", "final"],
+        tmp_path, child_env_module,
+    )  # fmt: skip
+    assert rc == 0, out
+    assert "rank 0 start 10" in out and "rank 1 start 10" in out, out
+    _same(_final(tmp_path, "final"), reference["ddp"])
+    commits = [e for e in _events(tmp_path / "ck" / "journal.jsonl") if e["event"] == "commit"]
+    # the final checkpoint is taken before destroy_process_group tears the world down
+    assert (
+        commits[-1]["step"] == TOTAL and commits[-1]["reason"] == "final" and commits[-1]["world_size"] == 2
+    )

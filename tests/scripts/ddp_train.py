@@ -12,6 +12,8 @@ Arguments:
   --hang-at N --hang-rank R   rank R sleeps forever before step N+1 (first attempt only)
   --stop-at N         every rank exits 0 after step N (after waiting for its save)
   --step-time S       extra seconds per step (default 0)
+  --zero-code         no CheckpointManager: the loop starts at smartckpt_cli.start_step() and the
+                      hooks of ``smartckpt run`` checkpoint every rank
 
 Output per rank: ``rank R start S``, ``rank R step N loss HEX``, ``rank R done N``. The
 ``--dir``/``--every`` flags are optional under ``smartckpt run`` (its environment sets them).
@@ -52,6 +54,7 @@ def main() -> int:
     p.add_argument("--hang-rank", type=int, default=1)
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--zero-code", action="store_true")
     args = p.parse_args()
     first_attempt = os.environ.get(proto.ENV_ATTEMPT, "0") == "0"
 
@@ -85,9 +88,15 @@ def main() -> int:
         settings["meta_dir"] = args.meta_dir
     if args.every is not None:
         settings["every_steps"] = args.every
-    mgr = CheckpointManager(**settings)
-    mgr.register(model=model, optimizer=opt, scheduler=sched)
-    start = mgr.restore()
+    mgr: CheckpointManager | None = None
+    if args.zero_code:
+        import smartckpt_cli
+
+        start = smartckpt_cli.start_step()
+    else:
+        mgr = CheckpointManager(**settings)
+        mgr.register(model=model, optimizer=opt, scheduler=sched)
+        start = mgr.restore()
     print(f"rank {rank} start {start}", flush=True)
     data = torch.Generator().manual_seed(7 + rank)
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(3))
@@ -106,15 +115,17 @@ def main() -> int:
         loss.backward()
         opt.step()
         sched.step()
-        mgr.step(step + 1, loss=loss)
+        if mgr is not None:
+            mgr.step(step + 1, loss=loss)
         print(f"rank {rank} step {step + 1} loss {float(loss.detach()).hex()}", flush=True)
         if args.step_time:
             time.sleep(args.step_time)
         if args.stop_at == step + 1:
-            mgr.close()
+            if mgr is not None:
+                mgr.close()
             dist.destroy_process_group()
             return 0
-    failures = mgr.close()
+    failures = mgr.close() if mgr is not None else []
     if args.out:
         torch.save(
             {
