@@ -63,9 +63,18 @@ def persist_distributed(
     """Write this rank's part and take part in the commit; returns (CommitInfo, every rank's disk
     id). Raises :class:`NotCommitted` (or this rank's own write error) when nothing was committed."""
     t0 = time.perf_counter()
-    snap.wait_ready()
-    digests = dict(zip([i.plan.key for i in snap.items], p.pool.map(_digest, snap.items), strict=True))
+    digests: dict[str, str] | None = None
+    try:
+        snap.wait_ready()
+        digests = dict(zip([i.plan.key for i in snap.items], p.pool.map(_digest, snap.items), strict=True))
+    except Exception as err:  # still take part in the exchange: the other ranks must not wait
+        logger.error("step %d: staging this rank's state failed: %s", snap.step, err)
     first = comm.gather({"digests": digests, "dir": dir_id, "cid": uuid.uuid4().hex[:12]}, commit=True)
+    lost = [r for r, g in enumerate(first) if g["digests"] is None]
+    if lost:
+        raise NotCommitted(
+            f"save of step {snap.step} not committed: rank(s) {lost} could not stage their state"
+        )
     cid = first[0]["cid"]
     dirs = [g["dir"] for g in first]
     all_digests = [g["digests"] for g in first]
