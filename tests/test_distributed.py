@@ -214,3 +214,29 @@ def test_zero_code_ddp_under_smartckpt_run_resumes_bit_exact(tmp_path, child_env
     assert (
         commits[-1]["step"] == TOTAL and commits[-1]["reason"] == "final" and commits[-1]["world_size"] == 2
     )
+
+
+def test_ownership_and_naming_rules():
+    from smartckpt_cli.distributed import dir_leaders, entry_owner, part_rel, record_manifests, world_mismatch
+
+    digests = [{"w": "a", "rng": "r0"}, {"w": "a", "rng": "r1"}, {"w": "a", "rng": "r0"}]
+    # one shared disk: the replicated weight is rank 0's; rank 1's own RNG is its own
+    assert [entry_owner(r, "w", digests, ["d"] * 3) for r in range(3)] == [0, 0, 0]
+    assert [entry_owner(r, "rng", digests, ["d"] * 3) for r in range(3)] == [0, 1, 0]
+    # node-local disks: nothing is shared across disks
+    assert [entry_owner(r, "w", digests, ["n0", "n1", "n1"]) for r in range(3)] == [0, 1, 1]
+    assert dir_leaders(["n0", "n1", "n1", "n0"]) == {0, 1}
+    assert part_rel(10, "abc", 1) == "manifests/000000000010-abc-r1.json"
+    ev = {"parts": [["m0", "h0", "d"], ["m1", "h1", "d"]]}
+    assert record_manifests(ev, "m0") == ["m0", "m1"] and record_manifests({}, "m") == ["m"]
+    assert world_mismatch(5, 2, 2) is None
+    assert "written by 2 rank(s); this run has 4" in (world_mismatch(5, 2, 4) or "")
+
+
+def test_distributed_setting_is_checked():
+    from smartckpt_cli.config import load_settings
+    from smartckpt_cli.errors import ConfigError
+
+    assert load_settings(None, {"distributed": "off"})[0].distributed == "off"
+    with pytest.raises(ConfigError, match="distributed must be 'auto' or 'off'"):
+        load_settings(None, {"distributed": "yes"})
