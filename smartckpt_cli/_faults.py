@@ -7,6 +7,11 @@ user's environment does nothing. Points, in the order a save passes them: blob.s
 blob is in its temporary file, write-back started), blob.written (fsynced, not yet renamed),
 blob.renamed, blobs.durable, manifest.written, manifest.renamed, journal.half_line,
 journal.fsynced, prune.in_progress.
+
+Two more variables for multi-rank tests: ``SMARTCKPT_FAULT_RANK=<r>`` arms the fault on that rank
+(``RANK``) only, and ``SMARTCKPT_FAULT_MODE=raise`` makes :func:`fault_fail` points raise an
+``OSError`` (a failed write: full disk, I/O error) instead of killing the process. A rank's part
+of a multi-rank save passes ``rank.write`` before writing anything.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import os
 import signal
 import threading
 
-__all__ = ["crash", "fault_active", "fault_point"]
+__all__ = ["crash", "fault_active", "fault_fail", "fault_point"]
 
 _lock = threading.Lock()
 _hits: dict[str, int] = {}
@@ -26,6 +31,9 @@ def _target() -> tuple[str, int] | None:
         return None
     spec = os.environ.get("SMARTCKPT_FAULT", "")
     if not spec:
+        return None
+    rank = os.environ.get("SMARTCKPT_FAULT_RANK")
+    if rank is not None and os.environ.get("RANK", "0") != rank:
         return None
     name, _, count = spec.partition("@")
     return name, int(count or 1)
@@ -47,4 +55,15 @@ def crash() -> None:
 
 def fault_point(name: str) -> None:
     if fault_active(name):
+        crash()
+
+
+def fault_fail(name: str) -> None:
+    """Like :func:`fault_point`, but with ``SMARTCKPT_FAULT_MODE=raise`` the pass raises an I/O
+    error instead of killing the process."""
+    if fault_active(name):
+        if os.environ.get("SMARTCKPT_FAULT_MODE") == "raise":
+            import errno
+
+            raise OSError(errno.EIO, f"injected write failure at {name}")
         crash()

@@ -14,7 +14,7 @@ import torch
 
 from smartckpt_cli.errors import CheckpointCorrupt, StateMismatchError
 from smartckpt_cli.restore import Loaded
-from smartckpt_cli.statetree import flatten, tensor_keys, unflatten
+from smartckpt_cli.statetree import find_mesh, flatten, tensor_keys, unflatten
 
 __all__ = ["apply_checkpoint"]
 
@@ -73,6 +73,8 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
     not_stored = set(manifest.get("not_stored", []))
     entries = manifest["entries"]
     plan: list[tuple[Any, Any]] = []
+    # Sharded (DTensor) entries are rebuilt on the live model's mesh (same world size).
+    mesh = next((m for _, o in objects.values() if (m := find_mesh(o.state_dict())) is not None), None)
     for name, (kind, obj) in objects.items():
         if name not in saved:
             logger.warning(
@@ -93,7 +95,7 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 tensors[key] = torch.empty(0)
             else:
                 raise CheckpointCorrupt(f"step {loaded.record.step}: entry {key} is missing", tier="L1")
-        sd = unflatten(skeleton, tensors)
+        sd = unflatten(skeleton, tensors, mesh)
         if kind == "module":
             _check_module(name, {k: t for k, t in tensors.items()}, current)
         elif kind == "optimizer":

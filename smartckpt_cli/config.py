@@ -51,6 +51,7 @@ class Settings:
     preempt_signals: str = "TERM,USR1,USR2"  # take a blocking save at the next step, then...
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
+    distributed: str = "auto"  # auto: coordinate ranks when torch.distributed runs | off
     tiers: tuple[TierRule, ...] = field(default_factory=tuple)
     # smartckpt run (the supervisor)
     max_restarts: int = 5  # restarts after failures before giving up
@@ -71,6 +72,8 @@ class Settings:
             raise ConfigError(f"on_l2_corrupt must be 'fallback' or 'reset', not {self.on_l2_corrupt!r}")
         if self.inflight not in ("wait", "skip"):
             raise ConfigError(f"inflight must be 'wait' or 'skip', not {self.inflight!r}")
+        if self.distributed not in ("auto", "off"):
+            raise ConfigError(f"distributed must be 'auto' or 'off', not {self.distributed!r}")
         if not -1 <= self.compression_level <= 22:
             raise ConfigError("compression_level must be between -1 (raw) and 22")
         if self.chunk_mb < 1:
@@ -220,6 +223,8 @@ def load_settings(
 _IGNORED_ENV = {
     "SMARTCKPT_TEST_FAULTS",
     "SMARTCKPT_FAULT",
+    "SMARTCKPT_FAULT_RANK",
+    "SMARTCKPT_FAULT_MODE",
     "SMARTCKPT_CONFIG",
     "SMARTCKPT_RUN_DIR",
     "SMARTCKPT_RUN_ID",

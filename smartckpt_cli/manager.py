@@ -31,13 +31,15 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli import runtime
+from smartckpt_cli import distributed, runtime
 from smartckpt_cli.apply import apply_checkpoint
 from smartckpt_cli.config import Settings, load_settings
+from smartckpt_cli.dist_ckpt import load_part, persist_distributed, restore_distributed
 from smartckpt_cli.errors import (
     CheckpointCorrupt,
     NoCheckpointError,
     SmartckptError,
+    StateMismatchError,
     StoreLockedError,
 )
 from smartckpt_cli.preempt import PreemptionWatch
@@ -148,16 +150,33 @@ class CheckpointManager:
         s = self.settings
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
         self._lock_fd: int | None = None
-        self._acquire_writer_lock()
-        try:
-            self.store_id = self.store.ensure_journal()
-        except BaseException:
-            # An unreadable journal must not leave this process holding the writer lock: a
-            # retry would then be refused as "already being written by" this very process.
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-            raise
+        # Several ranks: rank 0 holds the writer lock and the journal; the others follow it.
+        self._comm = distributed.detect(s.distributed)
+        self._rank = self._comm.rank if self._comm is not None else 0
+        self._dir_id = distributed.dir_id(self.store.root) if self._comm is not None else ""
+        self._dirs: list[str] = []  # every rank's disk id, learnt at the first save
+        self._pruned_seen = 0
+        opened: str | BaseException = ""
+        if self._rank == 0:
+            try:
+                self._acquire_writer_lock()
+                opened = self.store.ensure_journal()
+            except BaseException as err:
+                # An unreadable journal must not leave this process holding the writer lock: a
+                # retry would then be refused as "already being written by" this very process.
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+                opened = err
+        if self._comm is not None:
+            shared = self._comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
+            if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
+                raise SmartckptError(shared)  # every rank fails the same way, none waits forever
+            opened = shared if self._rank != 0 else opened
+            distributed.guard_destroy(self)
+        if isinstance(opened, BaseException):
+            raise opened
+        self.store_id = opened
         self.policy: Policy = policy or make_policy(s)
         self._signals = Signals(window=s.loss_window, eval_every=s.eval_every)
         self._trace = TraceWriter(self.store.meta_root)
@@ -295,7 +314,12 @@ class CheckpointManager:
         state = self.store.journal.read()
         tried: list[str] = []
         reset = self.settings.on_l2_corrupt == "reset"
+        if self._comm is not None:
+            return self._restore_ranks(state, include_unhealthy, reset)
         for rec in candidates(state.records, include_unhealthy=include_unhealthy):
+            mismatch = distributed.world_mismatch(rec.step, distributed.record_world(rec.event), 1)
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
             try:
                 loaded = load_checkpoint(
                     self.store.storage,
@@ -336,6 +360,30 @@ class CheckpointManager:
             logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
         return int(loaded.record.step)
 
+    def _restore_ranks(self, state: Any, include_unhealthy: bool, reset: bool) -> Loaded | None:
+        """Every rank loads the same step: the newest that verifies on all of them."""
+        assert self._comm is not None
+        comm = self._comm
+
+        def load(rec: Any) -> Any:
+            return load_part(
+                self.store.storage,
+                self.store.blobs,
+                rec,
+                self.store_id,
+                comm.rank,
+                self._dir_id,
+                skip_corrupt_l2=reset,
+                workers=self.settings.n_workers,
+            )
+
+        recs = candidates(state.records, include_unhealthy=include_unhealthy)
+        try:
+            loaded = restore_distributed(comm, recs, load)
+        except CheckpointCorrupt as err:
+            raise NoCheckpointError(f"{self.store.root}: {err}") from None
+        return loaded
+
     # ------------------------------------------------------------------ saving
 
     def step(self, step: int, loss: torch.Tensor | float | None = None) -> StepResult:
@@ -368,10 +416,20 @@ class CheckpointManager:
             self._trace.add(reading, decision.score, decision.reason if decision.save else "")
         result = StepResult()
         signum = self._preempt.take()
+        skip = self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
+        if self._comm is not None:
+            # Rank 0's trigger decides for all ranks (its skip included); any rank's preemption
+            # signal makes every rank take the blocking save. No collective runs in a hook.
+            save_now, sig = self._comm.decide(decision.save and not skip, signum or 0)
+            signum, skip = sig or None, False
+            if save_now and not decision.save:
+                decision = Decision(True, "rank 0 trigger")
+            elif not save_now and decision.save:
+                decision, skip = Decision(False, ""), False
         if signum is not None:
             return self._preempted(step, signum, result)
         if decision.save:
-            if self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip":
+            if skip:
                 with self._stats_lock:
                     self._stats.skipped.append(step)
                 logger.info("step %d: save skipped, the previous one is still being written", step)
@@ -448,7 +506,7 @@ class CheckpointManager:
 
     def _guarded_params(self) -> set[int]:
         return {
-            p.untyped_storage().data_ptr()
+            distributed.local_tensor(p).untyped_storage().data_ptr()
             for opt in self._optimizers
             for g in opt.param_groups
             for p in g["params"]
@@ -456,8 +514,13 @@ class CheckpointManager:
 
     def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
         try:
-            with file_lock(self.store.meta_root / GC_LOCK, shared=True):
-                info = self._persister.persist(snap)
+            if self._comm is not None:
+                info, self._dirs = persist_distributed(
+                    self._persister, snap, self._comm, self._dir_id, self.store.meta_root / GC_LOCK
+                )
+            else:
+                with file_lock(self.store.meta_root / GC_LOCK, shared=True):
+                    info = self._persister.persist(snap)
         except Exception as err:
             msg = f"save of step {snap.step} failed: {type(err).__name__}: {err}"
             logger.error("%s (training continues; the next trigger tries again)", msg)
@@ -465,7 +528,8 @@ class CheckpointManager:
                 self._stats.failures.append(msg)
                 self._scheduled = self._committed
             try:
-                self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
+                if self._rank == 0:  # one line per failed save, whichever rank failed
+                    self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
             except OSError:
                 pass
             raise
@@ -489,8 +553,13 @@ class CheckpointManager:
     def _retain(self) -> None:
         state = self.store.journal.read()
         doomed = select_prunable(state.records, self.settings.keep_last)
-        if doomed:
+        if doomed and self._rank == 0:  # one rank prunes the journal
             prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
+        # The lowest rank of every disk collects that disk's garbage (node-local dirs included).
+        leader = self._comm is None or self._rank in distributed.dir_leaders(self._dirs)
+        pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
+        if leader and (doomed or pruned > self._pruned_seen):
+            self._pruned_seen = pruned
             collect_garbage(self.store.storage, self.store.blobs, self.store.journal, self.store.meta_root)
 
     # ------------------------------------------------------------------ lifecycle

@@ -115,10 +115,13 @@ def load_checkpoint(
     *,
     skip_corrupt_l2: bool = False,
     workers: int = 4,
+    manifest: dict[str, Any] | None = None,
 ) -> Loaded:
     """Read and verify every stored entry. Raises CheckpointCorrupt naming the tier and the fault.
-    With ``skip_corrupt_l2``, a corrupt L2 (optimizer moments) drops all of L2 instead of failing."""
-    manifest = read_manifest(storage, record, store_id)
+    With ``skip_corrupt_l2``, a corrupt L2 (optimizer moments) drops all of L2 instead of failing.
+    ``manifest``: already read and verified (a multi-rank part with its refs resolved)."""
+    if manifest is None:
+        manifest = read_manifest(storage, record, store_id)
     entries: dict[str, Any] = manifest["entries"]
 
     def one(key: str) -> tuple[str, torch.Tensor | None, str | None]:

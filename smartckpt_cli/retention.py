@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from smartckpt_cli._faults import fault_point
+from smartckpt_cli.distributed import record_manifests
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.journal import CheckpointRecord, Journal
 from smartckpt_cli.storage.base import Storage
@@ -68,7 +69,8 @@ def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *,
     )
     fault_point("prune.in_progress")
     for rec in doomed:
-        storage.remove(rec.manifest)
+        for rel in record_manifests(rec.event, rec.manifest):
+            storage.remove(rel)
 
 
 def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_root: Path) -> int:
@@ -82,10 +84,11 @@ def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal)
     freed = 0
     state = journal.read()
     kept = [r for r in state.records if not r.pruned]
-    kept_manifests = {r.manifest for r in kept}
+    # A multi-rank commit names one part manifest per rank; those on this disk are kept too.
+    kept_manifests = {m for r in kept for m in record_manifests(r.event, r.manifest)}
     referenced: set[str] = set()
-    for rec in kept:
-        referenced |= _manifest_blobs(storage, rec.manifest)
+    for rel in kept_manifests:
+        referenced |= _manifest_blobs(storage, rel)
     for name in storage.list("manifests"):
         rel = f"manifests/{name}"
         if rel not in kept_manifests:

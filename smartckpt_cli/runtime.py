@@ -18,8 +18,9 @@ its step; outside ``smartckpt run`` it returns 0 (or restores through a manager 
 mode off in that process (two managers cannot write one store); the heartbeat still beats from
 ``CheckpointManager.step``.
 
-Limits: one process per store (under ``WORLD_SIZE`` > 1 zero-code mode stands down and only the
-heartbeat runs); modules must be on their device before ``start_step`` (buffers are tracked by
+Under torchrun (``WORLD_SIZE`` > 1) zero-code mode arms on every rank once torch.distributed is
+initialised, and takes its final checkpoint before ``destroy_process_group``; without an
+initialised world it stands down and only the heartbeat runs. Limits: modules must be on their device before ``start_step`` (buffers are tracked by
 reference); a DataLoader iterated before ``start_step`` cannot be repositioned.
 """
 
@@ -286,9 +287,12 @@ def start_step() -> int:
 def _arm(*, via_start_step: bool) -> ZeroCode | None:
     global _zc, _off, _beat_only, _creating_own
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
+    if world > 1 and not _dist_ready():
+        # Under torchrun zero-code mode arms once torch.distributed is initialised (it is by the
+        # first optimizer step of a DDP/FSDP loop); every rank then coordinates through it.
         logger.warning(
-            "smartckpt: zero-code checkpointing covers one process; WORLD_SIZE=%d: only the heartbeat runs",
+            "smartckpt: WORLD_SIZE=%d but torch.distributed is not initialised at the first optimizer "
+            "step: zero-code checkpointing stands down, only the heartbeat runs",
             world,
         )
         _off = True
@@ -308,6 +312,10 @@ def _arm(*, via_start_step: bool) -> ZeroCode | None:
     finally:
         _creating_own = False
     _zc = ZeroCode(found, mgr, loss=lambda: _last_loss, on_error=_disable)
+    if world > 1:  # the final checkpoint needs the world: take it before the group is destroyed
+        from smartckpt_cli.distributed import guard_destroy
+
+        guard_destroy(mgr, before=_finish)
     pid = os.getpid()
     _register_exit(lambda: _finish() if os.getpid() == pid else None)
     if not via_start_step:
@@ -316,6 +324,12 @@ def _arm(*, via_start_step: bool) -> ZeroCode | None:
             "but a restart begins again at step 0"
         )
     return _zc
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _finish() -> None:

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from smartckpt_cli.distributed import local_tensor
+
 __all__ = ["SignalReading", "Signals", "curvature", "median_filter"]
 
 
@@ -110,7 +112,8 @@ class Signals:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return
-        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        # Local shards of DTensor gradients (FSDP2): statistics never start a collective here.
+        grads = [local_tensor(p.grad.to_dense() if p.grad.is_sparse else p.grad) for p in params]
         norms = torch._foreach_norm(grads, 2)
         sumsq = torch.stack([n.float() for n in norms]).pow(2).sum()
         total = torch.stack([g.float().sum() for g in grads]).sum()
@@ -140,7 +143,9 @@ class Signals:
         if not parts:
             return SignalReading(step, None, None, None)
         dev = parts[0].device
-        host = torch.stack([p.to(dev).float() for p in parts]).tolist()  # the one synchronisation
+        # A DTensor here (a statistic derived from FSDP2 state) counts by its local value: no
+        # collective is ever started from the signals.
+        host = torch.stack([local_tensor(p).to(dev).float() for p in parts]).tolist()  # the one sync
         losses = host[: len(self._losses)]
         var = None
         if grad is not None:

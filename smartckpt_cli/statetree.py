@@ -18,9 +18,9 @@ import torch
 
 from smartckpt_cli.errors import UnsupportedValueError
 
-__all__ = ["flatten", "unflatten"]
+__all__ = ["find_mesh", "flatten", "rebuild_dtensor", "unflatten"]
 
-_TAGS = ("__t", "__np", "__tuple", "__map", "__float", "__bytes", "__dtype", "__device")
+_TAGS = ("__t", "__dt", "__np", "__tuple", "__map", "__float", "__bytes", "__dtype", "__device")
 
 
 def _plain_key(k: object) -> bool:
@@ -32,6 +32,11 @@ def flatten(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(value: Any, path: str) -> Any:
+        if _is_dtensor(value):
+            # FSDP2 / DTensor: each rank stores its local shard; the global shape and placements
+            # let the same world size rebuild it (another world size is refused at restore).
+            tensors[path] = value.to_local().detach()
+            return {"__dt": [path, list(value.shape), [_placement(p) for p in value.placements]]}
         if isinstance(value, torch.Tensor):
             tensors[path] = value.detach()
             return {"__t": path}
@@ -66,7 +71,48 @@ def flatten(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(obj, prefix), tensors
 
 
-def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _is_dtensor(value: Any) -> bool:
+    return (
+        isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor" and hasattr(value, "to_local")
+    )
+
+
+def _placement(p: Any) -> str:
+    if p.is_shard():
+        return f"S{p.dim}"
+    if p.is_replicate():
+        return "R"
+    raise UnsupportedValueError(f"cannot store a DTensor with placement {p} (only Shard and Replicate)")
+
+
+def rebuild_dtensor(local: torch.Tensor, shape: list[int], placements: list[str], mesh: Any) -> torch.Tensor:
+    """A DTensor from this rank's stored shard, on ``mesh`` (the live model's mesh)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    pl = [Shard(int(c[1:])) if c.startswith("S") else Replicate() for c in placements]
+    stride: list[int] = []
+    acc = 1
+    for n in reversed(shape):
+        stride.insert(0, acc)
+        acc *= max(1, n)
+    return DTensor.from_local(local, mesh, pl, run_check=False, shape=torch.Size(shape), stride=tuple(stride))
+
+
+def find_mesh(obj: Any) -> Any:
+    """The device mesh of the first DTensor in a state tree, or None."""
+    if _is_dtensor(obj):
+        return obj.device_mesh
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        for v in obj:
+            mesh = find_mesh(v)
+            if mesh is not None:
+                return mesh
+    return None
+
+
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor], mesh: Any = None) -> Any:
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(v) for v in node]
@@ -76,6 +122,12 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
             ((tag, val),) = node.items()
             if tag == "__t":
                 return tensors[val]
+            if tag == "__dt":
+                if mesh is None:
+                    raise UnsupportedValueError(
+                        f"'{val[0]}' was saved sharded (DTensor) but nothing registered is sharded now"
+                    )
+                return rebuild_dtensor(tensors[val[0]], val[1], val[2], mesh)
             if tag == "__np":
                 return tensors[val].numpy()
             if tag == "__tuple":
@@ -106,6 +158,9 @@ def tensor_keys(skeleton: Any) -> list[str]:
         elif isinstance(node, dict):
             if len(node) == 1 and next(iter(node)) in ("__t", "__np"):
                 out.append(next(iter(node.values())))
+                return
+            if len(node) == 1 and next(iter(node)) == "__dt":
+                out.append(node["__dt"][0])
                 return
             for v in node.values():
                 walk(v)

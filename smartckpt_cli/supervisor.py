@@ -538,5 +538,21 @@ class Supervisor:
 
 
 def _killpg(pgid: int, sig: int) -> None:
+    # A SIGKILL must reach every descendant: torchrun starts each rank in a session of its own, so
+    # the child's process group alone would leave ranks running (holding ports, GPUs, the store).
+    # They are listed before the kill, while they are still the child's descendants.
+    tree = _descendants(pgid) if sig == signal.SIGKILL else []
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []

@@ -92,6 +92,8 @@ def _entry_tasks(key: str, entry: dict[str, Any]) -> tuple[list[tuple[_Task, int
     """The chunk checks of one manifest entry with their encoded sizes, and structural problems."""
     problems: list[str] = []
     tasks: list[tuple[_Task, int]] = []
+    if "ref" in entry:  # a multi-rank part: stored once, in a lower rank's part
+        return tasks, problems
     try:
         itemsize = codec.DTYPES[entry["stored_dtype"]].itemsize
         numel = 1

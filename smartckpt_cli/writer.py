@@ -39,7 +39,7 @@ from smartckpt_cli.storage.base import Storage
 from smartckpt_cli.storage.local import PendingWrite
 from smartckpt_cli.store import BlobStore
 
-__all__ = ["CommitInfo", "Persister", "base_meta"]
+__all__ = ["CommitInfo", "Persister", "Written", "base_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,27 @@ class Persister:
     def persist(self, snap: Snapshot) -> CommitInfo:
         t0 = time.perf_counter()
         snap.wait_ready()
-        reduced = list(self.pool.map(lambda it: self._streams(it.tensor, it.plan.transform), snap.items))
+        written = self.write_entries(snap, snap.items)
+        cid = uuid.uuid4().hex[:12]
+        rel = manifest_rel(snap.step, cid)
+        manifest_bytes = self.write_manifest(snap, cid, rel, written)
+        # IMPORTANT: the journal line below is the commit point. It is appended only after every
+        # blob and the manifest are durable; before it, this checkpoint does not exist.
+        self.commit(snap, cid, rel, manifest_bytes, written)
+        return CommitInfo(
+            snap.step,
+            cid,
+            rel,
+            written.bytes_new,
+            written.bytes_total,
+            written.bytes_raw,
+            time.perf_counter() - t0,
+            written.health,
+        )
+
+    def write_entries(self, snap: Snapshot, items: list[Any]) -> Written:
+        """Phase 1 for ``items``: every blob durable; returns their manifest entries."""
+        reduced = list(self.pool.map(lambda it: self._streams(it.tensor, it.plan.transform), items))
         jobs: list[_Chunk] = []
         layout: list[tuple[int, int, int]] = []  # per item: data chunk count, patch chunk count, patch n
         for red, data, patch in reduced:
@@ -157,7 +177,7 @@ class Persister:
         _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
         health = snap.health
         if health == "ok" and not all(
-            self.pool.map(_finite, [i.tensor for i in snap.items if i.plan.tier == "L1"])
+            self.pool.map(_finite, [i.tensor for i in items if i.plan.tier == "L1"])
         ):
             health = "nonfinite-weights"  # committed for inspection, never restored by default
         fault_point("blobs.durable")
@@ -167,7 +187,7 @@ class Persister:
         bytes_new = sum(r[0][4] for r in results if r[1] is not None)
         bytes_total = sum(r[0][4] for r in results)
         bytes_raw = 0
-        for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(snap.items, reduced, layout, strict=True):
+        for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(items, reduced, layout, strict=True):
             data_chunks = [r[0] for r in results[pos : pos + n_data]]
             pos += n_data
             patch_chunks = [r[0] for r in results[pos : pos + n_pchunks]]
@@ -182,25 +202,40 @@ class Persister:
                 "data": {"chunks": data_chunks},
                 "patch": {"n": n_patch, "chunks": patch_chunks} if n_patch else None,
             }
-        cid = uuid.uuid4().hex[:12]
-        rel = manifest_rel(snap.step, cid)
+        return Written(entries, bytes_new, bytes_total, bytes_raw, health)
+
+    def write_manifest(
+        self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
+    ) -> bytes:
+        """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "store_id": self.store_id,
             "id": cid,
             "step": snap.step,
-            "health": health,
+            "health": written.health,
             "calm": snap.calm,
             "meta": {**snap.meta, "reason": snap.reason, "score": snap.score, "utc": _utc_now()},
             "objects": snap.objects,
-            "entries": entries,
+            "entries": written.entries,
             "not_stored": snap.dropped,
+            **(extra or {}),
         }
         manifest_bytes = encode_manifest(manifest)
         self.storage.write(rel, manifest_bytes)
-        # IMPORTANT: the journal line below is the commit point. It is appended only after every
-        # blob and the manifest are durable; before it, this checkpoint does not exist.
+        return manifest_bytes
+
+    def commit(
+        self,
+        snap: Snapshot,
+        cid: str,
+        rel: str,
+        manifest_bytes: bytes,
+        written: Written,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Phase 3, the commit point: append the journal ``commit`` line and fsync it."""
         self.journal.append(
             {
                 "event": "commit",
@@ -208,17 +243,26 @@ class Persister:
                 "id": cid,
                 "manifest": rel,
                 "manifest_hash": codec.blob_id(manifest_bytes),
-                "health": health,
+                "health": written.health,
                 "calm": snap.calm,
                 "reason": snap.reason,
                 "score": snap.score,
-                "bytes_new": bytes_new,
-                "bytes_total": bytes_total,
+                "bytes_new": written.bytes_new,
+                "bytes_total": written.bytes_total,
+                **(extra or {}),
             }
         )
-        return CommitInfo(
-            snap.step, cid, rel, bytes_new, bytes_total, bytes_raw, time.perf_counter() - t0, health
-        )
+
+
+@dataclass
+class Written:
+    """What phase 1 produced: manifest entries and byte counts."""
+
+    entries: dict[str, Any]
+    bytes_new: int
+    bytes_total: int
+    bytes_raw: int
+    health: str
 
 
 def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | None = None) -> list[Any]:

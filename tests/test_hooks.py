@@ -429,8 +429,8 @@ def test_processes_that_do_not_train_stay_untouched(tmp_path, python, child_env)
 
 
 def test_several_ranks_only_beat(tmp_path, python, child_env):
-    """Under WORLD_SIZE > 1 zero-code checkpointing stands down (one store, one writer) but the
-    heartbeat still counts steps for hang detection."""
+    """Under WORLD_SIZE > 1 without an initialised torch.distributed, zero-code checkpointing stands
+    down (no coordination, so no shared store) but the heartbeat still counts steps."""
     env = _zero_code_env(child_env, tmp_path)
     env.update(WORLD_SIZE="2", RANK="1")
     res = _run([python, str(SCRIPT), "--total", "6"], env, tmp_path)
