@@ -149,8 +149,13 @@ class CheckpointManager:
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
         self._lock_fd: int | None = None
         self._acquire_writer_lock()
+        self._remote: Any = None  # the remote tier (smartckpt_cli/remote/tier.py), when configured
         try:
-            self.store_id = self.store.ensure_journal()
+            if s.remote:
+                from smartckpt_cli.remote.tier import RemoteTier
+
+                self._remote = RemoteTier.open(s, self.store)
+            self.store_id = self.store.ensure_journal(self._remote and self._remote.adopted_store_id)
         except BaseException:
             # An unreadable journal must not leave this process holding the writer lock: a
             # retry would then be refused as "already being written by" this very process.
@@ -201,6 +206,8 @@ class CheckpointManager:
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
+        if self._remote is not None:
+            self._remote.start(self.store_id, s.background_nice)
 
     # ------------------------------------------------------------------ setup
 
@@ -277,16 +284,27 @@ class CheckpointManager:
         state = self.store.journal.read()
         tried: list[str] = []
         reset = self.settings.on_l2_corrupt == "reset"
-        for rec in candidates(state.records, include_unhealthy=include_unhealthy):
+
+        def load(rec: Any) -> Any:
+            return load_checkpoint(
+                self.store.storage,
+                self.store.blobs,
+                rec,
+                state.store_id,
+                skip_corrupt_l2=reset,
+                workers=self.settings.n_workers,
+            )
+
+        # With a remote tier: remote-only checkpoints too, and a failing local copy is repaired.
+        order: list[Any] = (
+            self._remote.order(state, include_unhealthy=include_unhealthy)
+            if self._remote is not None
+            else candidates(state.records, include_unhealthy=include_unhealthy)
+        )
+        for item in order:
+            rec = item if self._remote is None else item.record
             try:
-                loaded = load_checkpoint(
-                    self.store.storage,
-                    self.store.blobs,
-                    rec,
-                    state.store_id,
-                    skip_corrupt_l2=reset,
-                    workers=self.settings.n_workers,
-                )
+                loaded = load(rec) if self._remote is None else self._remote.load(item, load)
             except CheckpointCorrupt as err:
                 logger.warning(
                     "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
@@ -377,6 +395,8 @@ class CheckpointManager:
         with runtime.heartbeat_state("SAVING"):
             handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
             handle.wait()
+            if self._remote is not None:  # the node may not come back: get it off the node first
+                self._remote.drain(self.settings.remote_close_wait)
         self._trace.flush()
         result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
         self._preempt.finish(signum)  # exits through the signal unless told to continue
@@ -445,6 +465,8 @@ class CheckpointManager:
                 pass
             raise
         self.last_commit = info
+        if self._remote is not None:
+            self._remote.wake()
         with self._stats_lock:
             self._stats.commits += 1
             if info.health == "ok":
@@ -493,6 +515,8 @@ class CheckpointManager:
         try:
             with runtime.heartbeat_state("SAVING"):
                 self.wait()
+                if self._remote is not None:
+                    self._remote.close(self.settings.remote_close_wait)
         finally:
             self._closed = True
             self._saver.shutdown(wait=True)
