@@ -167,7 +167,6 @@ class FsspecRemote:
                 "read_timeout": 60,
                 "retries": {"max_attempts": 2},
             }
-            options["retries"] = 2
         self.fs = fsspec.filesystem(self.protocol, **options)
 
     def _path(self, rel: str) -> str:
