@@ -98,6 +98,7 @@ class Replicator:
         self.limiter = Limiter(settings.remote_bandwidth_mb * (1 << 20))
         self.status = _Status()
         self._known_blobs: set[str] | None = None
+        self._remote_live: set[str] = set()  # remote live ids as last read
         self._manifests: dict[str, dict[str, Any]] = {}
         self._skip: set[str] = set()  # local checkpoints found damaged: never shipped
         self._cond = threading.Condition()
@@ -196,6 +197,9 @@ class Replicator:
             except FileNotFoundError:
                 raise
             except Exception as err:
+                # show the trouble (inspect, the live panel) while retrying
+                self.status.last_error = f"{type(err).__name__}: {str(err)[:300]}"
+                self._write_status()
                 if attempt == tries - 1 or self._stop:
                     raise
                 pause = min(8.0, 0.25 * 2**attempt)
@@ -205,6 +209,9 @@ class Replicator:
 
     def run_round(self) -> int:
         """One round; returns how many committed checkpoints are still not remote."""
+        # The lag as last known, before touching the remote (which may be down).
+        lag = upload_lag(self.store.journal.read().records, self._remote_live)
+        self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
         rstate = self._retry("journal read", self.journal.read)
         if rstate.store_id is None:
             self._retry("journal init", lambda: self.journal.init(self.store_id))
@@ -243,6 +250,7 @@ class Replicator:
             self.status.pending = max(0, self.status.pending - 1)
             self.status.pending_steps = [s for s in self.status.pending_steps if s != rec.step]
             self.status.remote_steps.append(rec.step)
+            self._remote_live.add(rec.id)
             self._write_status()
         if plan.withdraw:
             ids = [r.id for r in plan.withdraw]
@@ -261,6 +269,7 @@ class Replicator:
         return len(left)
 
     def _set_pending(self, pending: list[CheckpointRecord], rstate: RemoteState) -> None:
+        self._remote_live = rstate.live_ids()
         self.status.pending = len(pending)
         self.status.pending_steps = [r.step for r in pending]
         self.status.remote_steps = [r.step for r in sorted(rstate.live(), key=lambda r: r.position)]
@@ -331,6 +340,15 @@ class Replicator:
 
     def _write_status(self) -> None:
         st = self.status
+        try:  # the lag against the remote as last seen: current even while the remote is down
+            lag = [
+                r
+                for r in upload_lag(self.store.journal.read().records, self._remote_live)
+                if r.id not in self._skip
+            ]
+            st.pending, st.pending_steps = len(lag), [r.step for r in lag]
+        except Exception as err:  # the status file is a view; never let it stop the uploader
+            logger.debug("upload lag unknown: %s", err)
         body = {
             "remote": display_url(self.remote.url),
             "pending": st.pending,
