@@ -234,7 +234,9 @@ def test_slow_remote_never_blocks_the_training_loop(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(512, 512)
     opt = torch.optim.AdamW(model.parameters())
-    mgr = CheckpointManager(tmp_path / "store", remote=url, remote_bandwidth_mb=0.5, remote_close_wait=0.5)
+    mgr = CheckpointManager(
+        tmp_path / "store", keep_last=20, remote=url, remote_bandwidth_mb=0.5, remote_close_wait=0.5
+    )
     mgr.register(model=model, optimizer=opt)
     waits, t0 = [], time.perf_counter()
     for step in range(1, 21):

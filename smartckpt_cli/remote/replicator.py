@@ -102,6 +102,7 @@ class Replicator:
         self._manifests: dict[str, dict[str, Any]] = {}
         self._skip: set[str] = set()  # local checkpoints found damaged: never shipped
         self._cond = threading.Condition()
+        self._status_lock = threading.Lock()
         self._wakes = 0  # bumped by wake(); a round that started after a wake covers it
         self._done = -1  # wake count at the start of the last round that left nothing pending
         self._stop = False
@@ -118,6 +119,8 @@ class Replicator:
         with self._cond:
             self._wakes += 1
             self._cond.notify_all()
+        if self._thread is not None:
+            self._write_status()  # a new commit is new lag, even while an upload is running
 
     def drain(self, timeout: float) -> bool:
         """Wait until every checkpoint committed so far is remote, at most ``timeout`` s."""
@@ -339,6 +342,10 @@ class Replicator:
         )
 
     def _write_status(self) -> None:
+        with self._status_lock:  # the uploader and the saver thread (wake) both write it
+            self._write_status_locked()
+
+    def _write_status_locked(self) -> None:
         st = self.status
         try:  # the lag against the remote as last seen: current even while the remote is down
             lag = [
