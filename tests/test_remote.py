@@ -263,10 +263,18 @@ def test_verify_remote_detects_a_lost_object(tmp_path, python, child_env):
     url = f"file://{tmp_path / 'remote'}"
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    with CheckpointManager(tmp_path / "store", remote=url) as mgr:
+    with CheckpointManager(tmp_path / "store", remote=url, keep_last=5) as mgr:
         mgr.register(model=model)
-        mgr.save(5, blocking=True)
+        for step in (3, 4, 5):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, blocking=True)
     cli = [python, "-m", "smartckpt_cli.cli.app"]
+    assert _remote_steps(url) == [3, 4, 5]
+    pruned = _run([*cli, "prune", str(tmp_path / "store"), "--keep", "1", "--remote", url], child_env)
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert _remote_steps(url) == [5]  # retention applied on both sides
+    assert "remote: removed steps 3, 4" in pruned.stdout, pruned.stdout
     ok = _run([*cli, "verify", str(tmp_path / "store"), "--remote", url], child_env)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "remote step 5" in ok.stdout and "ok" in ok.stdout
