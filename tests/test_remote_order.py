@@ -112,6 +112,14 @@ def test_display_url_strips_credentials():
     assert "abc" not in shown and "zzz" not in shown and "region=eu" in shown
 
 
+def test_config_show_never_prints_a_secret_in_the_url():
+    from smartckpt_cli.config_report import effective_settings
+
+    rows, _ = effective_settings(None, {"remote": "s3://AKIA:verysecret@bucket/p"}, env={})
+    shown = {r.key: r.value for r in rows}
+    assert shown["remote"] == "s3://bucket/p"
+
+
 def test_limiter_caps_the_rate():
     lim = Limiter(1 << 20)  # 1 MiB/s
     t0 = time.monotonic()
