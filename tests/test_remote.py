@@ -157,17 +157,18 @@ def test_damaged_local_copy_is_repaired_downloading_only_bad_blobs(tmp_path, pyt
 def test_run_remote_resumes_on_a_new_node(s3, tmp_path, python, child_env):
     bucket, extra = s3
     url = f"s3://{bucket}/job"
-    env = {**child_env, **extra}
+    env = {**child_env, **extra, "SMARTCKPT_LOG_EVERY": "0.5"}
 
     def run(node: str, out: str) -> subprocess.CompletedProcess[str]:
         store = tmp_path / node / "ckpt"
         store.parent.mkdir()
         cmd = [python, "-m", "smartckpt_cli.cli.app", "run", "--dir", str(store), "--remote", url, "--",
-               *_train(python, store, 21, tmp_path / out)]  # fmt: skip
+               *_train(python, store, 21, tmp_path / out, step_time=0.1)]  # fmt: skip
         return _run(cmd, env)
 
     first = run("node-a", "a.pt")
     assert first.returncode == 0, first.stdout + first.stderr
+    assert "checkpoint(s) not yet remote" in first.stdout, first.stdout  # the status line's lag
     second = run("node-b", "b.pt")  # an empty local directory: a replaced node
     assert second.returncode == 0, second.stdout + second.stderr
     assert "restored step 21" in second.stdout, second.stdout
