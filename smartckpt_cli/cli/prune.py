@@ -44,14 +44,15 @@ def prune(
       smartckpt prune ./checkpoints --keep 3 --remote s3://bucket/run1   (both sides)
 
     With --remote, --keep is applied to the remote copy too (a prune object first, then the
-    manifests and the blobs no kept checkpoint references). Refused while a run uploads to it.
+    manifests and the blobs no kept checkpoint references). Refused while a run's upload round
+    is in progress (try again); the running job re-lists the remote afterwards.
 
     \b
     Exit codes:
       0  pruned (or nothing to prune)
       1  no checkpoint verifies, the journal is damaged or a manifest unreadable, or a save
          held the lock past --wait (nothing is removed), the remote is unreachable or a
-         run is uploading to it
+         run's upload round is in progress
       2  bad input: not a store, --keep below 1
     """
     from smartckpt_cli.catalog import active_writer
@@ -113,10 +114,9 @@ def prune(
 
 
 def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:
-    """--keep on the remote side, under the store's remote.lock (never while a run uploads)."""
+    """--keep on the remote side, under the store's remote.lock (never during an upload round)."""
     from smartckpt_cli.errors import StoreLockedError
-    from smartckpt_cli.remote.check import connect, prune_remote
-    from smartckpt_cli.remote.tier import REMOTE_LOCK
+    from smartckpt_cli.remote.check import REMOTE_LOCK, connect, prune_remote
     from smartckpt_cli.storage.local import file_lock
     from smartckpt_cli.store_dir import StoreDir
 
@@ -127,5 +127,5 @@ def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:
             return prune_remote(rem, journal, keep, dry_run=dry_run, why=f"smartckpt prune --keep {keep}")
     except BlockingIOError:
         raise StoreLockedError(
-            "a run is uploading this store to the remote; its remote_keep_last applies"
+            "a run is uploading this store to the remote right now; try again in a moment"
         ) from None

@@ -25,6 +25,7 @@ from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.retention import select_prunable
 
 __all__ = [
+    "REMOTE_LOCK",
     "STATUS_FILE",
     "RemoteCheck",
     "RemoteUnavailable",
@@ -41,6 +42,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 STATUS_FILE = "remote-status.json"  # in meta_dir, written by the uploader, read by inspect and run
+# In meta_dir: held by the uploader for each round and by `prune --remote`, so blobs are never
+# collected remotely while an upload that will reference them is in flight.
+REMOTE_LOCK = "remote.lock"
 
 
 def list_blobs(remote: Remote) -> set[str]:

@@ -31,10 +31,11 @@ from typing import Any, TypeVar
 from smartckpt_cli import codec
 from smartckpt_cli.journal import CheckpointRecord, JournalState, decode_manifest
 from smartckpt_cli.remote.backend import Limiter, Remote, display_url
-from smartckpt_cli.remote.check import STATUS_FILE, list_blobs, remove_unreferenced, upload_lag
+from smartckpt_cli.remote.check import REMOTE_LOCK, STATUS_FILE, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.retention import select_prunable
+from smartckpt_cli.storage.local import file_lock
 from smartckpt_cli.store_dir import StoreDir
 
 __all__ = ["RemoteMismatch", "Replicator", "RoundPlan", "plan_round"]
@@ -99,6 +100,7 @@ class Replicator:
         self.status = _Status()
         self._known_blobs: set[str] | None = None
         self._remote_live: set[str] = set()  # remote live ids as last read
+        self._next_seq = -1  # the remote journal's next sequence number after our last round
         self._manifests: dict[str, dict[str, Any]] = {}
         self._skip: set[str] = set()  # local checkpoints found damaged: never shipped
         self._cond = threading.Condition()
@@ -211,7 +213,12 @@ class Replicator:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def run_round(self) -> int:
-        """One round; returns how many committed checkpoints are still not remote."""
+        """One round, under remote.lock; returns how many committed checkpoints are still not
+        remote."""
+        with file_lock(Path(self.store.meta_root) / REMOTE_LOCK):
+            return self._round()
+
+    def _round(self) -> int:
         # The lag as last known, before touching the remote (which may be down).
         lag = upload_lag(self.store.journal.read().records, self._remote_live)
         self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
@@ -224,6 +231,11 @@ class Replicator:
                 f"{display_url(self.remote.url)} holds the checkpoints of another store "
                 f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
             )
+        if rstate.next_seq != self._next_seq:
+            # Somebody else wrote to the remote (`prune --remote` may have removed blobs): what
+            # this process believes is remote must be listed again, or dedup would skip a blob
+            # that is gone and commit a checkpoint that cannot be restored.
+            self._known_blobs = None
         if self._known_blobs is None:
             self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
         local = self.store.journal.read()
@@ -267,6 +279,7 @@ class Replicator:
             seq += 1
         self._expire()
         after = self._retry("journal read", self.journal.read)
+        self._next_seq = after.next_seq
         left = plan_round(self.store.journal.read(), after, self._skip).upload
         self._set_pending(left, after)
         return len(left)

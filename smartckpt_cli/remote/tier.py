@@ -15,13 +15,13 @@ local, the uploader retries in the background.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from smartckpt_cli.errors import CheckpointCorrupt
 from smartckpt_cli.journal import JournalState
 from smartckpt_cli.remote.backend import Remote, display_url, open_remote
+from smartckpt_cli.remote.check import REMOTE_LOCK
 from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, restore_order
 from smartckpt_cli.remote.replicator import Replicator
 from smartckpt_cli.remote.rjournal import RemoteJournal
@@ -34,7 +34,6 @@ __all__ = ["REMOTE_LOCK", "RemoteTier"]
 
 logger = logging.getLogger(__name__)
 
-REMOTE_LOCK = "remote.lock"  # one uploader per store; `prune --remote` takes it too
 T = TypeVar("T")
 
 
@@ -47,7 +46,6 @@ class RemoteTier:
         self.journal = RemoteJournal(remote)
         self.replicator: Replicator | None = None
         self.adopted_store_id: str | None = None
-        self._lock_fd: int | None = None
 
     @classmethod
     def open(cls, settings: Any, store: StoreDir) -> RemoteTier:
@@ -129,16 +127,8 @@ class RemoteTier:
     # ------------------------------------------------------------------ replication
 
     def start(self, store_id: str, nice: int) -> None:
-        import fcntl
-
-        fd = os.open(self.store.meta_root / REMOTE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            logger.warning("remote %s: another process uploads this store; not replicating", self.url)
-            return
-        self._lock_fd = fd
+        # One uploader per store: the manager's writer.lock already makes it one per store; the
+        # uploader takes remote.lock for each round (see check.REMOTE_LOCK).
         self.replicator = Replicator(self.remote, self.store, store_id, self.settings, nice=nice)
         self.replicator.start()
         self.replicator.wake()  # a backlog left by an earlier run goes up now
@@ -169,9 +159,6 @@ class RemoteTier:
         finally:
             if self.replicator is not None:
                 self.replicator.stop()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
 
 
 def _short(err: BaseException) -> str:
