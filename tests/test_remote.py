@@ -222,7 +222,7 @@ def test_remote_down_never_blocks_training_and_backlog_goes_up_later(
         assert set(live) <= set(_remote_steps(url)), "the backlog was not uploaded"
         status = json.loads((store / STATUS_FILE).read_text())
         assert status["pending"] == 0 and status["last_error"] is None
-        assert "upload failed" in err and SECRET not in err
+        assert ("upload failed" in err or "unreachable" in err) and SECRET not in err
     finally:
         if proc.poll() is None:
             proc.kill()
