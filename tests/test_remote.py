@@ -216,6 +216,7 @@ def test_remote_down_never_blocks_training_and_backlog_goes_up_later(
         assert server.proc is not None, "the uploader never reported the remote down"
         gaps = [stamps[n + 1] - stamps[n] for n in range(1, up_at)]
         assert max(gaps) < 3.0, f"a step waited {max(gaps):.2f} s while the remote was down"
+        print(f"remote down until step {up_at}: longest step gap {max(gaps):.3f} s")
         live = sorted(r.step for r in open_store(store).journal.read().live())
         for k, v in extra.items():
             monkeypatch.setenv(k, v)
@@ -258,6 +259,7 @@ def test_slow_remote_never_blocks_the_training_loop(tmp_path):
     assert max(waits) < 1.0, waits
     assert status["pending"] >= 5, status  # the remote lags behind, the training does not
     assert closing < 8, f"close waited {closing:.1f} s with remote_close_wait=0.5"
+    print(f"slow remote: loop {loop:.2f} s, max loop wait {max(waits) * 1e3:.1f} ms, lag {status['pending']}")
 
 
 def test_verify_remote_detects_a_lost_object(tmp_path, python, child_env):
@@ -363,6 +365,7 @@ def test_sigkill_mid_multipart_never_yields_a_remote_checkpoint(s3, tmp_path, py
         proc.kill()
         proc.wait()
     assert parts >= 1, "never saw a multipart upload in progress"
+    print(f"killed with {parts} part(s) of a multipart upload sent")
     assert _remote_steps(url) == [1]  # step 2 never committed remotely
 
     # A new node: whatever the killed upload left, restore takes step 1, bit-exactly.
