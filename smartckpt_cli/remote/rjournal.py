@@ -67,6 +67,8 @@ class RemoteState:
 class RemoteJournal:
     def __init__(self, remote: Remote) -> None:
         self.remote = remote
+        # Objects never change once written: each is fetched once, then only listed.
+        self._cache: dict[str, dict[str, Any] | None] = {}
 
     def read(self) -> RemoteState:
         """Replay every journal object in sequence order."""
@@ -75,15 +77,18 @@ class RemoteJournal:
         events: list[dict[str, Any]] = []
         problems: list[str] = []
         for _, name in ordered:
-            try:
-                raw = self.remote.get(f"{JOURNAL_DIR}/{name}")
-            except FileNotFoundError:
-                continue  # removed while listing
-            ev = decode_line(raw.strip())
+            if name in self._cache:
+                ev = self._cache[name]
+            else:
+                try:
+                    raw = self.remote.get(f"{JOURNAL_DIR}/{name}")
+                except FileNotFoundError:
+                    continue  # removed while listing
+                ev = self._cache[name] = decode_line(raw.strip())
             if ev is None:
                 problems.append(f"remote journal object {name} is damaged; skipped")
                 continue
-            events.append(ev)
+            events.append(dict(ev))
         if events:
             head = events[0]
             if head.get("event") != "init" or head.get("format") != JOURNAL_FORMAT:
