@@ -29,24 +29,27 @@ _smartckpt() {
             case "$prev" in
                 --step) COMPREPLY=(); return ;;
                 --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --json --meta-dir -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --json --meta-dir --remote -h --help" -- "$cur")) && return
             ;;
         "verify")
             case "$prev" in
                 --step) COMPREPLY=(); return ;;
                 --workers) COMPREPLY=(); return ;;
                 --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record --meta-dir -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record --meta-dir --remote -h --help" -- "$cur")) && return
             ;;
         "prune")
             case "$prev" in
                 --keep) COMPREPLY=(); return ;;
                 --wait) COMPREPLY=(); return ;;
                 --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--keep --dry-run --wait --json --meta-dir -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--keep --dry-run --wait --json --meta-dir --remote -h --help" -- "$cur")) && return
             ;;
         "rollback")
             case "$prev" in
@@ -103,8 +106,9 @@ _smartckpt() {
                 --max-restarts) COMPREPLY=(); return ;;
                 --hang-timeout) COMPREPLY=(); return ;;
                 --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

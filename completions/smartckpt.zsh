@@ -55,6 +55,7 @@ _smartckpt_inspect() {
     '--step[Show this checkpoint'\''s manifest, tensor by tensor.]:step: ' \
     '--json[Machine-readable output.]' \
     '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
+    '--remote[Also the remote copy - s3 -//bucket/prefix, file -///path... (credentials - the...]:remote: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -67,6 +68,7 @@ _smartckpt_verify() {
     '--workers[Hashing threads (0 - one per CPU, at least 4).]:workers: ' \
     '--record[Note the outcome in the journal, for inspect.]' '--no-record[Note the outcome in the journal, for inspect.]' \
     '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
+    '--remote[Also the remote copy - s3 -//bucket/prefix, file -///path... (credentials - the...]:remote: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -78,6 +80,7 @@ _smartckpt_prune() {
     '--wait[Seconds to wait for a save in flight to commit.]:wait: ' \
     '--json[Machine-readable output.]' \
     '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
+    '--remote[Also the remote copy - s3 -//bucket/prefix, file -///path... (credentials - the...]:remote: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
 }
@@ -148,6 +151,7 @@ _smartckpt_run() {
     '--hang-timeout[Seconds without a step that count as a hang (default - learned).]:hang-timeout: ' \
     '--requeue[Requeue the SLURM job after USR1/USR2.]' '--no-requeue[Requeue the SLURM job after USR1/USR2.]' \
     '--config[YAML settings file (default ./smartckpt.yaml).]:config:_files' \
+    '--remote[Replicate committed checkpoints here (s3 -//bucket/prefix, file -///path) and...]:remote: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     '*:command:_files'
 }

@@ -62,6 +62,14 @@ class Settings:
     crash_loop: int = 3  # failed attempts from the same checkpoint before rolling back once
     no_restart_on: str = ""  # regexes (separated by ';;') for errors that must not be restarted
     log_every: float = 30.0  # seconds between status lines when the output is not a terminal
+    # the remote tier (smartckpt_cli/remote): committed checkpoints replicated in the background
+    remote: str | None = None  # s3://bucket/prefix, gs://..., file:///mnt/nfs/ckpt; None = off
+    remote_keep_last: int = 0  # checkpoints kept remotely; 0 = keep_last
+    remote_workers: int = 4  # concurrent uploads (and downloads on restore)
+    remote_bandwidth_mb: float = 0.0  # upload cap in MiB/s; 0 = unlimited
+    remote_part_mb: int = 64  # multipart part size for large blobs (S3's minimum is 5)
+    remote_retries: int = 4  # tries of each remote call before the round is retried later
+    remote_close_wait: float = 120.0  # seconds close()/preemption wait for uploads
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -109,6 +117,14 @@ class Settings:
             raise ConfigError("crash_loop must be at least 1")
         if self.log_every <= 0:
             raise ConfigError("log_every must be positive (seconds)")
+        if self.remote_keep_last < 0 or self.remote_workers < 1 or self.remote_retries < 1:
+            raise ConfigError(
+                "remote_keep_last must be 0 or more, remote_workers and remote_retries at least 1"
+            )
+        if self.remote_part_mb < 5:
+            raise ConfigError("remote_part_mb must be at least 5 (S3's smallest multipart part)")
+        if self.remote_bandwidth_mb < 0 or self.remote_close_wait < 0:
+            raise ConfigError("remote_bandwidth_mb and remote_close_wait must be 0 or more")
         for pat in self.no_restart_patterns:
             try:
                 re.compile(pat)

@@ -74,5 +74,10 @@ def effective_settings(
         source = sources.get(f.name, "default")
         if source == "argument":
             source = "flag"
-        rows.append(SettingRow(f.name, _plain(getattr(settings, f.name)), source))
+        value = getattr(settings, f.name)
+        if f.name == "remote" and value:  # a URL may carry credentials: never print them
+            from smartckpt_cli.remote.backend import display_url
+
+            value = display_url(value)
+        rows.append(SettingRow(f.name, _plain(value), source))
     return rows, str(path) if path.is_file() else None

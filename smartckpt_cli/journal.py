@@ -167,8 +167,8 @@ class Journal:
     def exists(self) -> bool:
         return self.path.exists()
 
-    def create(self) -> str:
-        store_id = uuid.uuid4().hex
+    def create(self, store_id: str | None = None) -> str:
+        store_id = store_id or uuid.uuid4().hex
         self.storage.append(
             JOURNAL,
             encode_line(

@@ -156,11 +156,22 @@ class CheckpointManager:
         self._dir_id = distributed.dir_id(self.store.root) if self._comm is not None else ""
         self._dirs: list[str] = []  # every rank's disk id, learnt at the first save
         self._pruned_seen = 0
+        self._remote: Any = None  # the remote tier (smartckpt_cli/remote/tier.py), when configured
+        if s.remote and self._comm is not None:
+            # Every rank has the same settings, so every rank refuses the same way.
+            raise SmartckptError(
+                "remote= with several ranks is not supported yet: each rank's part would need its "
+                "own uploader; leave remote unset under torchrun"
+            )
         opened: str | BaseException = ""
         if self._rank == 0:
             try:
                 self._acquire_writer_lock()
-                opened = self.store.ensure_journal()
+                if s.remote:
+                    from smartckpt_cli.remote.tier import RemoteTier
+
+                    self._remote = RemoteTier.open(s, self.store)
+                opened = self.store.ensure_journal(self._remote and self._remote.adopted_store_id)
             except BaseException as err:
                 # An unreadable journal must not leave this process holding the writer lock: a
                 # retry would then be refused as "already being written by" this very process.
@@ -220,6 +231,8 @@ class CheckpointManager:
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
+        if self._remote is not None:
+            self._remote.start(self.store_id, s.background_nice)
 
     # ------------------------------------------------------------------ setup
 
@@ -316,19 +329,30 @@ class CheckpointManager:
         reset = self.settings.on_l2_corrupt == "reset"
         if self._comm is not None:
             return self._restore_ranks(state, include_unhealthy, reset)
-        for rec in candidates(state.records, include_unhealthy=include_unhealthy):
+
+        def load(rec: Any) -> Any:
+            return load_checkpoint(
+                self.store.storage,
+                self.store.blobs,
+                rec,
+                state.store_id,
+                skip_corrupt_l2=reset,
+                workers=self.settings.n_workers,
+            )
+
+        # With a remote tier: remote-only checkpoints too, and a failing local copy is repaired.
+        order: list[Any] = (
+            self._remote.order(state, include_unhealthy=include_unhealthy)
+            if self._remote is not None
+            else candidates(state.records, include_unhealthy=include_unhealthy)
+        )
+        for item in order:
+            rec = item if self._remote is None else item.record
             mismatch = distributed.world_mismatch(rec.step, distributed.record_world(rec.event), 1)
             if mismatch is not None:
                 raise StateMismatchError(mismatch)
             try:
-                loaded = load_checkpoint(
-                    self.store.storage,
-                    self.store.blobs,
-                    rec,
-                    state.store_id,
-                    skip_corrupt_l2=reset,
-                    workers=self.settings.n_workers,
-                )
+                loaded = load(rec) if self._remote is None else self._remote.load(item, load)
             except CheckpointCorrupt as err:
                 logger.warning(
                     "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
@@ -460,6 +484,8 @@ class CheckpointManager:
         with runtime.heartbeat_state("SAVING"):
             handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
             handle.wait()
+            if self._remote is not None:  # the node may not come back: get it off the node first
+                self._remote.drain(self.settings.remote_close_wait)
         self._trace.flush()
         result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
         self._preempt.finish(signum)  # exits through the signal unless told to continue
@@ -534,6 +560,8 @@ class CheckpointManager:
                 pass
             raise
         self.last_commit = info
+        if self._remote is not None:
+            self._remote.wake()
         with self._stats_lock:
             self._stats.commits += 1
             if info.health == "ok":
@@ -587,6 +615,8 @@ class CheckpointManager:
         try:
             with runtime.heartbeat_state("SAVING"):
                 self.wait()
+                if self._remote is not None:
+                    self._remote.close(self.settings.remote_close_wait)
         finally:
             self._closed = True
             self._saver.shutdown(wait=True)

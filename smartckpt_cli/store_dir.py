@@ -26,13 +26,14 @@ class StoreDir:
     blobs: BlobStore
     journal: Journal
 
-    def ensure_journal(self) -> str:
-        """The store id; creates the journal on first use (under a lock, once)."""
+    def ensure_journal(self, store_id: str | None = None) -> str:
+        """The store id; creates the journal on first use (under a lock, once), with
+        ``store_id`` when given (a store continued from its remote copy)."""
         with file_lock(self.meta_root / "journal.lock"):
             state = self.journal.read()
             if state.store_id is not None:
                 return state.store_id
-            return self.journal.create()
+            return self.journal.create(store_id)
 
 
 def open_store(

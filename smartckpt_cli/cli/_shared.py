@@ -18,7 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-__all__ = ["DirArg", "MetaDirOpt", "err", "human", "out", "progress_bar", "say"]
+__all__ = ["DirArg", "MetaDirOpt", "RemoteOpt", "err", "human", "out", "progress_bar", "say"]
 
 # readable=False: an unreadable directory is reported by open_store in one line (exit 2), not by
 # click's multi-line usage error.
@@ -32,6 +32,16 @@ MetaDirOpt = Annotated[
         "--meta-dir",
         help="Where the journal lives, when the run put it apart from the blobs (meta_dir).",
         readable=False,
+    ),
+]
+
+
+RemoteOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--remote",
+        help="Also the remote copy: s3://bucket/prefix, file:///path... (credentials: the usual AWS_* / fsspec ones).",
+        show_default=False,
     ),
 ]
 

@@ -219,6 +219,12 @@ def run_cmd(
         Path | None,
         typer.Option(envvar="SMARTCKPT_CONFIG", help="YAML settings file (default ./smartckpt.yaml)."),
     ] = None,
+    remote: Annotated[
+        str | None,
+        typer.Option(
+            help="Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and restore from it."
+        ),
+    ] = None,
 ) -> None:
     """Run a training script under smartckpt: checkpoints without code changes, restarts after
     crashes from the newest verified checkpoint.
@@ -242,7 +248,13 @@ def run_cmd(
     """
     from smartckpt_cli.cli.run import run_command
 
-    overrides = {"dir": dir, "max_restarts": max_restarts, "hang_timeout": hang_timeout, "requeue": requeue}
+    overrides = {
+        "dir": dir,
+        "max_restarts": max_restarts,
+        "hang_timeout": hang_timeout,
+        "requeue": requeue,
+        "remote": remote,
+    }
     raise typer.Exit(run_command(list(command or []), overrides, config, every))
 
 

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, out, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, out, say
 
 __all__ = ["inspect"]
 
@@ -21,6 +21,7 @@ def inspect(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     meta_dir: MetaDirOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """List the checkpoints of a store, newest first (alias: ls).
 
@@ -33,6 +34,10 @@ def inspect(
       smartckpt inspect ./checkpoints
       smartckpt ls ./checkpoints --step 1200          (one manifest, tensor by tensor)
       smartckpt inspect ./checkpoints --json | jq '.checkpoints[0].step'
+      smartckpt inspect ./checkpoints --remote s3://bucket/run1   (upload lag, remote side)
+
+    With a remote tier, a last line tells how many committed checkpoints are not remote yet
+    (from the uploader's status file, or from the remote itself with --remote).
 
     Exit codes: 0 listed, 1 unreadable journal, 2 bad input (not a store, no such step).
     """
@@ -48,8 +53,9 @@ def inspect(
         _render_detail(detail)
         return
     catalog = list_checkpoints(store)
+    remote_view = _remote_view(store, remote)
     if as_json:
-        typer.echo(json.dumps(catalog.to_json(), indent=2))
+        typer.echo(json.dumps({**catalog.to_json(), "remote": remote_view}, indent=2))
         return
     table = Table(title=f"checkpoints in {escape(str(directory))}", title_justify="left")
     for col, justify in (
@@ -91,6 +97,35 @@ def inspect(
     if catalog.failures:
         last = catalog.failures[-1]
         say(f"{len(catalog.failures)} failed save(s); last: {last.get('error', '?')}", error=True)
+    if remote_view is not None:
+        say(_remote_line(remote_view))
+
+
+def _remote_view(store: object, url: str | None) -> dict[str, object] | None:
+    """The remote tier's side: asked of the remote (--remote), else the uploader's status file."""
+    from smartckpt_cli.remote.check import read_status, remote_summary
+    from smartckpt_cli.store_dir import StoreDir
+
+    assert isinstance(store, StoreDir)
+    if url is None:
+        return read_status(store.meta_root)
+    state = store.journal.read()
+    return remote_summary(state.records, state.store_id, url)
+
+
+def _remote_line(v: dict[str, object]) -> str:
+    pending = v.get("pending_steps") or []
+    line = f"remote {v.get('remote')}: {v.get('pending', 0)} committed checkpoint(s) not yet remote"
+    line += f" (steps {', '.join(map(str, pending))})" if pending else ""  # type: ignore[call-overload]
+    steps = v.get("live_steps", v.get("remote_steps")) or []
+    line += f"; remote holds steps {', '.join(map(str, steps))}" if steps else "; remote holds none"  # type: ignore[call-overload]
+    if v.get("same_store") is False:
+        line += "; WARNING: the remote holds another store's checkpoints"
+    if v.get("last_error"):
+        line += f"; last upload error: {v['last_error']}"
+    if v.get("disabled"):
+        line += f"; replication disabled: {v['disabled']}"
+    return line
 
 
 def _render_detail(detail: object) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, progress_bar, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, progress_bar, say
 
 __all__ = ["prune"]
 
@@ -25,6 +25,7 @@ def prune(
     ] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     meta_dir: MetaDirOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """Remove old checkpoints and unreferenced blobs, never the newest verified one.
 
@@ -40,12 +41,18 @@ def prune(
     Examples:
       smartckpt prune ./checkpoints --keep 3 --dry-run
       smartckpt prune ./checkpoints --keep 3
+      smartckpt prune ./checkpoints --keep 3 --remote s3://bucket/run1   (both sides)
+
+    With --remote, --keep is applied to the remote copy too (a prune object first, then the
+    manifests and the blobs no kept checkpoint references). Refused while a run's upload round
+    is in progress (try again); the running job re-lists the remote afterwards.
 
     \b
     Exit codes:
       0  pruned (or nothing to prune)
       1  no checkpoint verifies, the journal is damaged or a manifest unreadable, or a save
-         held the lock past --wait (nothing is removed)
+         held the lock past --wait (nothing is removed), the remote is unreachable or a
+         run's upload round is in progress
       2  bad input: not a store, --keep below 1
     """
     from smartckpt_cli.catalog import active_writer
@@ -57,6 +64,7 @@ def prune(
     with progress_bar("verifying the newest checkpoint") as progress:
         result = carry_out(store, keep, dry_run=dry_run, lock_timeout=wait, progress=progress)
     plan = result.plan
+    remote_plan = _prune_remote(store, remote, keep, dry_run) if remote is not None else None
     if as_json:
         typer.echo(
             json.dumps(
@@ -70,6 +78,13 @@ def prune(
                     "bytes_freed": result.bytes_freed,
                     "passed_over": result.unverified,
                     "writer": writer,
+                    "remote": None
+                    if remote_plan is None
+                    else {
+                        "kept": [r.step for r in remote_plan.keep],
+                        "removed": [r.step for r in remote_plan.remove],
+                        "blobs_removed": remote_plan.blobs_removed,
+                    },
                 },
                 indent=2,
             )
@@ -90,3 +105,27 @@ def prune(
         f"kept steps {', '.join(str(r.step) for r in plan.keep)}; {freed} {human(result.bytes_freed)}"
         + (f" (a run is writing this store: {writer})" if writer else "")
     )
+    if remote_plan is not None:
+        say(
+            f"remote: {verb} steps {', '.join(str(r.step) for r in remote_plan.remove) or 'none'}; kept steps "
+            f"{', '.join(str(r.step) for r in remote_plan.keep) or 'none'}"
+            + ("" if dry_run else f"; {remote_plan.blobs_removed} blob(s) removed")
+        )
+
+
+def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:
+    """--keep on the remote side, under the store's remote.lock (never during an upload round)."""
+    from smartckpt_cli.errors import StoreLockedError
+    from smartckpt_cli.remote.check import REMOTE_LOCK, connect, prune_remote
+    from smartckpt_cli.storage.local import file_lock
+    from smartckpt_cli.store_dir import StoreDir
+
+    assert isinstance(store, StoreDir)
+    rem, journal, _ = connect(url)
+    try:
+        with file_lock(store.meta_root / REMOTE_LOCK, blocking=False):
+            return prune_remote(rem, journal, keep, dry_run=dry_run, why=f"smartckpt prune --keep {keep}")
+    except BlockingIOError:
+        raise StoreLockedError(
+            "a run is uploading this store to the remote right now; try again in a moment"
+        ) from None

@@ -27,7 +27,22 @@ from smartckpt_cli.supervisor import RunOptions, RunState, Supervisor
 __all__ = ["run_command"]
 
 
-def _status(st: RunState) -> str:
+def _remote_cell(meta_root: Path | None) -> str | None:
+    """The upload lag, from the uploader's status file (written by the training process)."""
+    if meta_root is None:
+        return None
+    from smartckpt_cli.remote.check import read_status
+
+    v = read_status(meta_root)
+    if v is None:
+        return "no upload yet"
+    text = f"{v.get('pending', 0)} checkpoint(s) not yet remote"
+    if v.get("last_error"):
+        text += f" (retrying: {str(v['last_error'])[:80]})"
+    return text
+
+
+def _status(st: RunState, meta_root: Path | None = None) -> str:
     parts = [f"attempt {st.attempt}", f"restarts {st.restarts}"]
     if st.step is not None:
         parts.append(f"step {st.step}")
@@ -36,11 +51,14 @@ def _status(st: RunState) -> str:
     if st.checkpoint_step:
         age = time.time() - (st.checkpoint_seen or time.time())
         parts.append(f"checkpoint {st.checkpoint_step} ({age:.0f}s ago)")
+    remote = _remote_cell(meta_root)
+    if remote:
+        parts.append(f"remote: {remote}")
     parts.append(st.usage.line())
     return ", ".join(parts)
 
 
-def _panel(st: RunState) -> Table:
+def _panel(st: RunState, meta_root: Path | None = None) -> Table:
     t = Table(title=f"smartckpt run {st.run_id}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column()
@@ -58,6 +76,9 @@ def _panel(st: RunState) -> Table:
         )
     else:
         t.add_row("checkpoint", "none yet")
+    remote = _remote_cell(meta_root)
+    if remote:
+        t.add_row("remote", remote)
     t.add_row("hang timeout", f"{st.hang_timeout:.0f} s" if st.hang_timeout else "off")
     t.add_row("resources", st.usage.line())
     t.add_row("wall", f"{time.time() - st.started:.0f} s")
@@ -94,16 +115,20 @@ def run_command(args: list[str], overrides: dict[str, Any], config: Path | None,
     # On a terminal the child's output comes through us, printed above the live panel.
     output = (lambda line: console.print(line, markup=False, highlight=False)) if tty else None
     sup = Supervisor(RunOptions(command, settings, sources, output=output), say)
+    meta_root = Path(settings.meta_dir or settings.dir) if settings.remote else None
     stop = threading.Event()
     if tty:
         live = Live(
-            _panel(sup.state), console=console, refresh_per_second=2, get_renderable=lambda: _panel(sup.state)
+            _panel(sup.state, meta_root),
+            console=console,
+            refresh_per_second=2,
+            get_renderable=lambda: _panel(sup.state, meta_root),
         )
         with live:
             code = sup.run()
     else:
         ticker = threading.Thread(
-            target=_ticker, args=(sup.state, settings.log_every, stop, console), daemon=True
+            target=_ticker, args=(sup.state, settings.log_every, stop, console, meta_root), daemon=True
         )
         ticker.start()
         try:
@@ -114,10 +139,12 @@ def run_command(args: list[str], overrides: dict[str, Any], config: Path | None,
     return code
 
 
-def _ticker(st: RunState, every: float, stop: threading.Event, console: Console) -> None:
+def _ticker(
+    st: RunState, every: float, stop: threading.Event, console: Console, meta_root: Path | None
+) -> None:
     while not stop.wait(every):
         if st.phase == "running":
-            console.print(f"smartckpt: {_status(st)}", markup=False)
+            console.print(f"smartckpt: {_status(st, meta_root)}", markup=False)
 
 
 def _summary(sup: Supervisor, console: Console) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, human, progress_bar, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, progress_bar, say
 
 __all__ = ["verify"]
 
@@ -26,6 +26,7 @@ def verify(
         typer.Option("--record/--no-record", help="Note the outcome in the journal, for inspect."),
     ] = True,
     meta_dir: MetaDirOpt = None,
+    remote: RemoteOpt = None,
 ) -> None:
     """Re-hash and decode checkpoints; exit 1 naming each corrupt one.
 
@@ -42,11 +43,17 @@ def verify(
       smartckpt verify ./checkpoints
       smartckpt verify ./checkpoints --all --json
       smartckpt verify ./checkpoints --step 1200 || echo "step 1200 is damaged"
+      smartckpt verify ./checkpoints --remote s3://bucket/run1 --all
+
+    With --remote, the same checkpoints (newest, --step or --all) are checked on the remote
+    side too: its commit, its manifest and every blob downloaded and re-hashed; one line each,
+    prefixed 'remote'.
 
     \b
     Exit codes:
       0  every checked checkpoint is sound (or there is none)
-      1  a checkpoint is corrupt or the journal has a torn/damaged line
+      1  a checkpoint is corrupt (locally or remotely), the journal has a torn/damaged
+         line, or the remote is unreachable
       2  bad input: not a store, no such step, --step with --all
     """
     from smartckpt_cli.errors import UsageError
@@ -61,6 +68,13 @@ def verify(
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
     if record:
         record_results(store, report)
+    remote_results = None
+    if remote is not None:
+        from smartckpt_cli.remote.check import connect, verify_remote
+
+        rem, _, rstate = connect(remote)
+        remote_results = verify_remote(rem, rstate, step=step, all_checkpoints=all_, workers=max(workers, 4))
+    remote_ok = remote_results is None or all(r.ok for r in remote_results)
     if as_json:
         typer.echo(
             json.dumps(
@@ -72,6 +86,7 @@ def verify(
                     "journal_problems": report.journal_problems,
                     "bytes_checked": report.bytes_checked,
                     "seconds": round(report.seconds, 3),
+                    "remote": None if remote_results is None else [r.__dict__ for r in remote_results],
                 },
                 indent=2,
             )
@@ -83,6 +98,10 @@ def verify(
             say(f"step {r.step} ({r.id}): {state}")
         for p in report.journal_problems:
             say(f"journal: {p}")
+        for rr in remote_results or []:
+            say(f"remote step {rr.step} ({rr.id}): " + ("ok" if rr.ok else f"CORRUPT: {rr.problem}"))
+        if remote_results == []:
+            say("remote: no checkpoint to verify")
         if not report.results:
             say("no checkpoint to verify")
         elif report.seconds > 0 and sys.stderr.isatty():
@@ -91,4 +110,4 @@ def verify(
                 f"checked {human(report.bytes_checked)} in {report.seconds:.2f} s ({human(rate)}/s)",
                 error=True,
             )
-    raise typer.Exit(0 if report.ok else 1)
+    raise typer.Exit(0 if report.ok and remote_ok else 1)

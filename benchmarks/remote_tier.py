@@ -1,0 +1,124 @@
+"""What the remote tier costs the training loop, and what it buys after a lost disk.
+
+Trains an MLP with AdamW (CPU) for ``--steps`` steps, saving every ``--every`` steps, twice:
+without a remote, and with ``--remote`` (default: a ``file://`` directory in the work dir; pass
+an ``s3://`` URL with the usual AWS_* variables for object storage). Reports per variant:
+
+- step time (median and p90 over all steps, saves included);
+- loop wait per save (what ``StepResult.handle.loop_wait_seconds`` says the loop waited);
+- upload lag at the end of the loop (committed checkpoints not yet remote), the time ``close()``
+  then waited for the uploads, bytes sent and blobs skipped as already remote;
+- restore after wipe: the local store deleted, a new manager restores from the remote (time,
+  step restored).
+
+    python benchmarks/remote_tier.py [--params 5e6] [--steps 60] [--every 10]
+                                     [--remote s3://bucket/prefix] [--bandwidth-mb 0] [--json out.json]
+
+Figures on a shared 2-core machine are noisy; compare the two variants of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from smartckpt_cli import CheckpointManager  # noqa: E402
+from smartckpt_cli.remote.check import STATUS_FILE  # noqa: E402
+
+
+def build(params: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    torch.manual_seed(0)
+    width = max(64, int((params / 3) ** 0.5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+    )  # fmt: skip
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), width
+
+
+def one_variant(work: Path, args: argparse.Namespace, remote: str | None) -> dict[str, Any]:
+    model, opt, width = build(args.params)
+    store = work / ("with-remote" if remote else "local-only")
+    extra: dict[str, Any] = {"remote": remote, "remote_bandwidth_mb": args.bandwidth_mb} if remote else {}
+    mgr = CheckpointManager(store, every_steps=args.every, keep_last=3, **extra)
+    mgr.register(model=model, optimizer=opt)
+    x = torch.randn(32, width)
+    step_times, waits = [], []
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        res = mgr.step(step)
+        step_times.append(time.perf_counter() - t0)
+        if res.handle is not None:
+            res.handle.wait()
+            waits.append(res.handle.loop_wait_seconds)
+    status = json.loads((store / STATUS_FILE).read_text()) if remote else {}
+    t0 = time.perf_counter()
+    mgr.close()
+    close_s = time.perf_counter() - t0
+    q = statistics.quantiles(step_times, n=10)
+    out: dict[str, Any] = {
+        "variant": "remote" if remote else "local only",
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_median_ms": round(statistics.median(step_times) * 1e3, 2),
+        "step_p90_ms": round(q[-1] * 1e3, 2),
+        "loop_wait_per_save_ms": round(statistics.mean(waits) * 1e3, 2) if waits else None,
+        "saves": len(waits),
+        "lag_at_loop_end": status.get("pending"),
+        "close_wait_s": round(close_s, 2),
+    }
+    if remote:
+        final = json.loads((store / STATUS_FILE).read_text())
+        out["bytes_sent"] = final["bytes_sent"]
+        out["blobs_deduped"] = final["blobs_deduped"]
+        shutil.rmtree(store)
+        model2, opt2, _ = build(args.params)
+        t0 = time.perf_counter()
+        with CheckpointManager(store, remote=remote) as m2:
+            m2.register(model=model2, optimizer=opt2)
+            out["restored_step"] = m2.restore()
+            out["restore_after_wipe_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params", type=float, default=5e6)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10)
+    p.add_argument("--remote", default=None, help="default: file:// in the work dir")
+    p.add_argument("--bandwidth-mb", type=float, default=0.0, help="remote_bandwidth_mb (0: unlimited)")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="smartckpt-remote-bench-", dir=args.workdir))
+    try:
+        remote = args.remote or f"file://{work / 'remote'}"
+        rows = [one_variant(work, args, None), one_variant(work, args, remote)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    keys = list(rows[1])
+    for k in keys:
+        print(f"{k:24s} " + "  ".join(f"{r.get(k, '-')!s:>14}" for r in rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

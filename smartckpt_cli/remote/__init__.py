@@ -1,0 +1,17 @@
+"""The remote tier: committed checkpoints replicated to object storage (fsspec) in the
+background, and restored from it when the local copy is gone or damaged.
+
+Layout under the remote URL (every object is written once and never modified)::
+
+    blobs/ab/ab12...cd                     the same content-addressed blobs as the local store
+    manifests/<step>-<id>.json             the same manifests
+    journal/<seq>-<event>-<tag>.json       one object per journal event (init, commit, prune)
+
+Modules: ``backend`` (where bytes go), ``rjournal`` (the remote commit point), ``replicator``
+(the background uploader), ``fetch`` (restore's downloads), ``check`` (inspect, verify, prune on
+the remote side) and ``tier`` (the glue the manager calls).
+"""
+
+from smartckpt_cli.remote.backend import Remote, display_url, open_remote
+
+__all__ = ["Remote", "display_url", "open_remote"]

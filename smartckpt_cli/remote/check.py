@@ -1,0 +1,229 @@
+"""The remote side of ``inspect``, ``verify`` and ``prune``, and remote retention.
+
+Verifying a remote checkpoint is what verifying a local one is: its commit object names its
+manifest and the manifest's hash; every blob the manifest names must exist and re-hash to its
+name. Pruning writes the ``prune`` object first, then removes manifests, then every blob no
+remaining checkpoint references, so a crash halfway leaves checkpoints already marked gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smartckpt_cli import codec
+from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.remote.backend import Remote
+from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.retention import select_prunable
+
+__all__ = [
+    "REMOTE_LOCK",
+    "STATUS_FILE",
+    "RemoteCheck",
+    "RemoteUnavailable",
+    "connect",
+    "list_blobs",
+    "prune_remote",
+    "read_status",
+    "remote_summary",
+    "remove_unreferenced",
+    "upload_lag",
+    "verify_remote",
+]
+
+logger = logging.getLogger(__name__)
+
+STATUS_FILE = "remote-status.json"  # in meta_dir, written by the uploader, read by inspect and run
+# In meta_dir: held by the uploader for each round and by `prune --remote`, so blobs are never
+# collected remotely while an upload that will reference them is in flight.
+REMOTE_LOCK = "remote.lock"
+
+
+def list_blobs(remote: Remote) -> set[str]:
+    return {n for fan in remote.list("blobs") for n in remote.list(f"blobs/{fan}")}
+
+
+def upload_lag(local: Iterable[CheckpointRecord], remote_live_ids: set[str]) -> list[CheckpointRecord]:
+    """Pure: live local checkpoints the remote does not hold yet, oldest first."""
+    return sorted((r for r in local if r.live and r.id not in remote_live_ids), key=lambda r: r.position)
+
+
+def read_status(meta_root: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((meta_root / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class RemoteCheck:
+    step: int
+    id: str
+    ok: bool
+    problem: str | None = None
+    blobs: int = 0
+    bytes: int = 0
+
+
+def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteCheck:
+    out = RemoteCheck(rec.step, rec.id, ok=False)
+    try:
+        data = remote.get(rec.manifest)
+    except FileNotFoundError:
+        out.problem = f"manifest {rec.manifest} is missing"
+        return out
+    if codec.blob_id(data) != rec.manifest_hash:
+        out.problem = f"manifest {rec.manifest} does not match its commit"
+        return out
+    try:
+        manifest = decode_manifest(data, rec.manifest)
+    except ValueError as err:
+        out.problem = str(err)
+        return out
+
+    def one(bid: str) -> tuple[str | None, int]:
+        try:
+            blob = remote.get(f"blobs/{bid[:2]}/{bid}")
+        except FileNotFoundError:
+            return f"missing blob {bid}", 0
+        return (None if codec.blob_id(blob) == bid else f"hash mismatch in blob {bid}"), len(blob)
+
+    ids = manifest_blob_ids(manifest)
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="smartckpt-rverify") as pool:
+        results = list(pool.map(one, ids))
+    problems = [p for p, _ in results if p]
+    out.blobs, out.bytes = len(ids), sum(n for _, n in results)
+    out.ok = not problems
+    out.problem = (
+        "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "") or None
+    )
+    return out
+
+
+def verify_remote(
+    remote: Remote,
+    state: RemoteState,
+    *,
+    step: int | None = None,
+    all_checkpoints: bool = False,
+    workers: int = 8,
+) -> list[RemoteCheck]:
+    """Re-hash remote checkpoints: the newest live one, ``step``'s, or every live one."""
+    live = sorted(state.live(), key=lambda r: r.position, reverse=True)
+    if step is not None:
+        chosen = [r for r in live if r.step == step]
+    elif all_checkpoints:
+        chosen = live
+    else:
+        chosen = live[:1]
+    return [_check_one(remote, r, workers) for r in chosen]
+
+
+def remove_unreferenced(
+    remote: Remote, state: RemoteState, known_blobs: set[str], manifests: dict[str, dict[str, Any]]
+) -> int:
+    """Remove manifests of pruned checkpoints and blobs no kept checkpoint references. Returns
+    the blobs removed. ``manifests`` caches parsed remote manifests (they never change)."""
+    kept = [r for r in state.records if not r.pruned]
+    referenced: set[str] = set()
+    for rec in kept:
+        if rec.manifest not in manifests:
+            try:
+                manifests[rec.manifest] = decode_manifest(remote.get(rec.manifest), rec.manifest)
+            except FileNotFoundError:
+                manifests[rec.manifest] = {}
+        referenced.update(manifest_blob_ids(manifests[rec.manifest]))
+    kept_manifests = {r.manifest for r in kept}
+    for rec in state.records:
+        if rec.pruned and rec.manifest not in kept_manifests:
+            remote.remove(rec.manifest)
+            manifests.pop(rec.manifest, None)
+    removed = 0
+    for bid in sorted(known_blobs - referenced):
+        remote.remove(f"blobs/{bid[:2]}/{bid}")
+        known_blobs.discard(bid)
+        removed += 1
+    return removed
+
+
+@dataclass
+class PrunePlan:
+    keep: list[CheckpointRecord] = field(default_factory=list)
+    remove: list[CheckpointRecord] = field(default_factory=list)
+    blobs_removed: int = 0
+
+
+def prune_remote(
+    remote: Remote,
+    journal: RemoteJournal,
+    keep_last: int,
+    *,
+    dry_run: bool = False,
+    why: str = "",
+    say: Callable[[str], None] | None = None,
+) -> PrunePlan:
+    """Apply ``keep_last`` to the remote: a ``prune`` object, then the files it frees."""
+    state = journal.read()
+    doomed = select_prunable(state.records, keep_last)
+    plan = PrunePlan(
+        keep=[r for r in state.live() if r not in doomed],
+        remove=doomed,
+    )
+    if dry_run or not doomed:
+        return plan
+    journal.write(
+        state.next_seq,
+        {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why},
+    )
+    state = journal.read()
+    plan.blobs_removed = remove_unreferenced(remote, state, list_blobs(remote), {})
+    if say is not None:
+        say(f"remote: pruned {len(doomed)} checkpoint(s), {plan.blobs_removed} blob(s)")
+    return plan
+
+
+class RemoteUnavailable(SmartckptError):
+    """The remote cannot be reached or read (exit 1: the operation failed)."""
+
+
+def connect(url: str) -> tuple[Remote, RemoteJournal, RemoteState]:
+    """Open ``url`` and read its journal, for the CLI; one-line errors."""
+    from smartckpt_cli.remote.backend import display_url, open_remote
+
+    remote = open_remote(url)
+    journal = RemoteJournal(remote)
+    try:
+        state = journal.read()
+    except SmartckptError:
+        raise
+    except Exception as err:
+        raise RemoteUnavailable(
+            f"remote {display_url(url)} unreachable: {type(err).__name__}: {str(err)[:200]}"
+        ) from None
+    return remote, journal, state
+
+
+def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None, url: str) -> dict[str, Any]:
+    """What ``inspect --remote`` shows: the remote's live checkpoints and the upload lag."""
+    from smartckpt_cli.remote.backend import display_url
+
+    _, _, state = connect(url)
+    lag = upload_lag(local, state.live_ids())
+    return {
+        "remote": display_url(url),
+        "store_id": state.store_id,
+        "same_store": state.store_id in (None, local_store_id),
+        "live_steps": [r.step for r in sorted(state.live(), key=lambda r: r.position)],
+        "pending": len(lag),
+        "pending_steps": [r.step for r in lag],
+        "journal_problems": state.problems,
+    }

@@ -1,0 +1,402 @@
+"""The background uploader: ships committed local checkpoints to the remote, in commit order.
+
+One round (:meth:`Replicator.run_round`), started by a commit (``wake``) or by a timer:
+
+1. read both journals; :func:`plan_round` (pure) says which local commits the remote lacks,
+   and which remote checkpoints were rolled back locally;
+2. for each missing commit, oldest first: upload the blobs the remote does not have (each one
+   re-hashed first: a blob damaged on the local disk is never shipped), then the manifest, then
+   the ``commit`` object. IMPORTANT: the commit object is written last, only after every blob
+   and the manifest are there; it is the remote commit point;
+3. remote retention (``remote_keep_last``).
+
+Every remote call is retried with backoff; a round that still fails is retried later with a
+growing delay, so a remote that is down or slow delays replication, never training. The thread
+runs at the background priority and never holds a lock the training loop waits for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from smartckpt_cli import codec
+from smartckpt_cli.journal import CheckpointRecord, JournalState, decode_manifest
+from smartckpt_cli.remote.backend import Limiter, Remote, display_url
+from smartckpt_cli.remote.check import REMOTE_LOCK, STATUS_FILE, list_blobs, remove_unreferenced, upload_lag
+from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.retention import select_prunable
+from smartckpt_cli.storage.local import file_lock
+from smartckpt_cli.store_dir import StoreDir
+
+__all__ = ["RemoteMismatch", "Replicator", "RoundPlan", "plan_round"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+IDLE_POLL = 30.0  # seconds between rounds when nothing wakes the uploader
+MAX_BACKOFF = 30.0
+
+
+class RemoteMismatch(Exception):
+    """The remote holds another store's checkpoints: never mix them."""
+
+
+@dataclass
+class RoundPlan:
+    upload: list[CheckpointRecord] = field(default_factory=list)  # oldest first
+    withdraw: list[CheckpointRecord] = field(default_factory=list)  # rolled back locally
+
+
+def plan_round(local: JournalState, remote: RemoteState, skip: set[str] | None = None) -> RoundPlan:
+    """Pure: what one round must do to bring the remote up to the local journal."""
+    bad = skip or set()
+    remote_live = remote.live_ids()
+    upload = [r for r in upload_lag(local.records, remote_live) if r.id not in bad]
+    rolled_back = {r.id for r in local.records if r.rolled_back}
+    withdraw = [r for r in remote.live() if r.id in rolled_back]
+    return RoundPlan(upload, withdraw)
+
+
+class LocalBlobGone(Exception):
+    """A blob vanished locally mid-upload (local retention pruned its checkpoint)."""
+
+
+@dataclass
+class _Status:
+    pending: int = 0
+    pending_steps: list[int] = field(default_factory=list)
+    remote_steps: list[int] = field(default_factory=list)
+    last_error: str | None = None
+    failures_in_row: int = 0
+    bytes_sent: int = 0
+    blobs_sent: int = 0
+    blobs_deduped: int = 0
+    checkpoints_sent: int = 0
+    last_upload_seconds: float | None = None
+
+
+class Replicator:
+    """Owns the uploader thread. Called by the manager: ``start``, ``wake`` after each commit,
+    ``drain`` (close, preemption), ``stop``."""
+
+    def __init__(self, remote: Remote, store: StoreDir, store_id: str, settings: Any, nice: int = 10) -> None:
+        self.remote = remote
+        self.journal = RemoteJournal(remote)
+        self.store = store
+        self.store_id = store_id
+        self.s = settings
+        self.nice = nice
+        self.limiter = Limiter(settings.remote_bandwidth_mb * (1 << 20))
+        self.status = _Status()
+        self._known_blobs: set[str] | None = None
+        self._remote_live: set[str] = set()  # remote live ids as last read
+        self._next_seq = -1  # the remote journal's next sequence number after our last round
+        self._manifests: dict[str, dict[str, Any]] = {}
+        self._skip: set[str] = set()  # local checkpoints found damaged: never shipped
+        self._cond = threading.Condition()
+        self._status_lock = threading.Lock()
+        self._wakes = 0  # bumped by wake(); a round that started after a wake covers it
+        self._done = -1  # wake count at the start of the last round that left nothing pending
+        self._stop = False
+        self._disabled: str | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="smartckpt-remote", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._wakes += 1
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._write_status()  # a new commit is new lag, even while an upload is running
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every checkpoint committed so far is remote, at most ``timeout`` s."""
+        if self._thread is None or self._disabled:
+            return False
+        self.wake()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self._wakes
+            while self._done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        from smartckpt_cli.writer import lower_priority
+
+        lower_priority(self.nice)
+        delay = 0.0
+        while True:
+            with self._cond:
+                if not self._stop:
+                    self._cond.wait_for(
+                        lambda: self._stop or self._wakes > self._done, timeout=delay or IDLE_POLL
+                    )
+                if self._stop:
+                    return
+                started = self._wakes
+            try:
+                pending = self.run_round()
+            except RemoteMismatch as err:
+                self._disabled = str(err)
+                self.status.last_error = str(err)
+                logger.error("remote tier disabled: %s", err)
+                self._write_status()
+                with self._cond:
+                    self._cond.notify_all()
+                return
+            except Exception as err:  # the remote is down, slow, refusing: training goes on
+                self.status.failures_in_row += 1
+                self.status.last_error = f"{type(err).__name__}: {str(err)[:300]}"
+                delay = min(MAX_BACKOFF, 0.5 * 2 ** min(self.status.failures_in_row, 8))
+                if self.status.failures_in_row in (1, 5) or self.status.failures_in_row % 20 == 0:
+                    logger.warning(
+                        "remote %s: upload failed (%s); retrying in %.0f s, training continues",
+                        display_url(self.remote.url),
+                        self.status.last_error,
+                        delay,
+                    )
+                self._write_status()
+                continue
+            self.status.failures_in_row, self.status.last_error, delay = 0, None, 0.0
+            self._write_status()
+            with self._cond:
+                if pending == 0:
+                    self._done = max(self._done, started)
+                    self._cond.notify_all()
+                else:
+                    delay = 0.1
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        tries = max(1, self.s.remote_retries)
+        for attempt in range(tries):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except Exception as err:
+                # show the trouble (inspect, the live panel) while retrying
+                self.status.last_error = f"{type(err).__name__}: {str(err)[:300]}"
+                self._write_status()
+                if attempt == tries - 1 or self._stop:
+                    raise
+                pause = min(8.0, 0.25 * 2**attempt)
+                logger.debug("remote %s failed (%s); retry %d in %.2f s", what, err, attempt + 1, pause)
+                time.sleep(pause)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def run_round(self) -> int:
+        """One round, under remote.lock; returns how many committed checkpoints are still not
+        remote."""
+        with file_lock(Path(self.store.meta_root) / REMOTE_LOCK):
+            return self._round()
+
+    def _round(self) -> int:
+        # The lag as last known, before touching the remote (which may be down).
+        lag = upload_lag(self.store.journal.read().records, self._remote_live)
+        self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
+        rstate = self._retry("journal read", self.journal.read)
+        if rstate.store_id is None:
+            self._retry("journal init", lambda: self.journal.init(self.store_id))
+            rstate = self._retry("journal read", self.journal.read)
+        if rstate.store_id != self.store_id:
+            raise RemoteMismatch(
+                f"{display_url(self.remote.url)} holds the checkpoints of another store "
+                f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
+            )
+        if rstate.next_seq != self._next_seq:
+            # Somebody else wrote to the remote (`prune --remote` may have removed blobs): what
+            # this process believes is remote must be listed again, or dedup would skip a blob
+            # that is gone and commit a checkpoint that cannot be restored.
+            self._known_blobs = None
+        if self._known_blobs is None:
+            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
+        local = self.store.journal.read()
+        plan = plan_round(local, rstate, self._skip)
+        self._set_pending(plan.upload, rstate)
+        seq = rstate.next_seq
+        for rec in plan.upload:
+            if self._stop:
+                break
+            try:
+                self._upload_checkpoint(rec)
+            except LocalBlobGone:
+                if any(r.id == rec.id and r.live for r in self.store.journal.read().records):
+                    self._skip.add(rec.id)
+                    logger.error(
+                        "remote: step %d is damaged locally (a blob is missing); not uploaded", rec.step
+                    )
+                continue  # pruned locally meanwhile: nothing to ship
+            except _LocalCorrupt as err:
+                self._skip.add(rec.id)
+                logger.error("remote: step %d is damaged locally (%s); not uploaded", rec.step, err)
+                continue
+            # IMPORTANT: the commit object goes last, after every blob and the manifest.
+            self._retry("commit", _writer(self.journal, seq, rec))
+            seq += 1
+            self.status.checkpoints_sent += 1
+            self.status.pending = max(0, self.status.pending - 1)
+            self.status.pending_steps = [s for s in self.status.pending_steps if s != rec.step]
+            self.status.remote_steps.append(rec.step)
+            self._remote_live.add(rec.id)
+            self._write_status()
+        if plan.withdraw:
+            ids = [r.id for r in plan.withdraw]
+            event = {
+                "event": "prune",
+                "ids": ids,
+                "steps": [r.step for r in plan.withdraw],
+                "why": "rolled back",
+            }
+            self._retry("withdraw", lambda: self.journal.write(seq, event))
+            seq += 1
+        self._expire()
+        after = self._retry("journal read", self.journal.read)
+        self._next_seq = after.next_seq
+        left = plan_round(self.store.journal.read(), after, self._skip).upload
+        self._set_pending(left, after)
+        return len(left)
+
+    def _set_pending(self, pending: list[CheckpointRecord], rstate: RemoteState) -> None:
+        self._remote_live = rstate.live_ids()
+        self.status.pending = len(pending)
+        self.status.pending_steps = [r.step for r in pending]
+        self.status.remote_steps = [r.step for r in sorted(rstate.live(), key=lambda r: r.position)]
+
+    def _upload_checkpoint(self, rec: CheckpointRecord) -> None:
+        t0 = time.monotonic()
+        try:
+            data = self.store.storage.read(rec.manifest)
+        except FileNotFoundError as err:
+            raise LocalBlobGone(rec.manifest) from err
+        if codec.blob_id(data) != rec.manifest_hash:
+            raise _LocalCorrupt(f"manifest {rec.manifest} hash mismatch")
+        manifest = decode_manifest(data, rec.manifest)
+        assert self._known_blobs is not None
+        known = self._known_blobs
+        todo = [b for b in manifest_blob_ids(manifest) if b not in known]
+        self.status.blobs_deduped += len(manifest_blob_ids(manifest)) - len(todo)
+        with ThreadPoolExecutor(
+            max_workers=max(1, self.s.remote_workers), thread_name_prefix="smartckpt-upload"
+        ) as pool:
+            for bid, n in zip(todo, pool.map(self._upload_blob, todo), strict=True):
+                known.add(bid)
+                self.status.blobs_sent += 1
+                self.status.bytes_sent += n
+        self._retry(
+            "manifest",
+            lambda: self.remote.put(rec.manifest, data, part_bytes=self._part(), limiter=self.limiter),
+        )
+        self._manifests[rec.manifest] = manifest
+        self.status.bytes_sent += len(data)
+        self.status.last_upload_seconds = round(time.monotonic() - t0, 3)
+
+    def _part(self) -> int:
+        return max(5, self.s.remote_part_mb) << 20
+
+    def _upload_blob(self, bid: str) -> int:
+        rel = self.store.blobs.rel(bid)
+        try:
+            data = self.store.storage.read(rel)
+        except FileNotFoundError as err:
+            raise LocalBlobGone(bid) from err
+        if codec.blob_id(data) != bid:  # re-hash: never ship what the local disk damaged
+            raise _LocalCorrupt(f"blob {bid} hash mismatch")
+        self._retry(
+            "blob upload", lambda: self.remote.put(rel, data, part_bytes=self._part(), limiter=self.limiter)
+        )
+        return len(data)
+
+    def _expire(self) -> None:
+        keep = self.s.remote_keep_last or self.s.keep_last
+        rstate = self._retry("journal read", self.journal.read)
+        doomed = select_prunable(rstate.records, keep)
+        if not doomed:
+            return
+        event = {
+            "event": "prune",
+            "ids": [r.id for r in doomed],
+            "steps": [r.step for r in doomed],
+            "why": f"remote_keep_last={keep}",
+        }
+        self._retry("prune", lambda: self.journal.write(rstate.next_seq, event))
+        rstate = self._retry("journal read", self.journal.read)
+        assert self._known_blobs is not None
+        known = self._known_blobs
+        self._retry(
+            "garbage collection", lambda: remove_unreferenced(self.remote, rstate, known, self._manifests)
+        )
+
+    def _write_status(self) -> None:
+        with self._status_lock:  # the uploader and the saver thread (wake) both write it
+            self._write_status_locked()
+
+    def _write_status_locked(self) -> None:
+        st = self.status
+        try:  # the lag against the remote as last seen: current even while the remote is down
+            lag = [
+                r
+                for r in upload_lag(self.store.journal.read().records, self._remote_live)
+                if r.id not in self._skip
+            ]
+            st.pending, st.pending_steps = len(lag), [r.step for r in lag]
+        except Exception as err:  # the status file is a view; never let it stop the uploader
+            logger.debug("upload lag unknown: %s", err)
+        body = {
+            "remote": display_url(self.remote.url),
+            "pending": st.pending,
+            "pending_steps": st.pending_steps,
+            "remote_steps": st.remote_steps[-20:],
+            "last_error": st.last_error,
+            "failures_in_row": st.failures_in_row,
+            "bytes_sent": st.bytes_sent,
+            "blobs_sent": st.blobs_sent,
+            "blobs_deduped": st.blobs_deduped,
+            "checkpoints_sent": st.checkpoints_sent,
+            "last_upload_seconds": st.last_upload_seconds,
+            "disabled": self._disabled,
+            "pid": os.getpid(),
+            "updated": time.time(),
+        }
+        path = Path(self.store.meta_root) / STATUS_FILE
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(body, indent=1))
+            os.replace(tmp, path)
+        except OSError as err:
+            logger.debug("cannot write %s: %s", path, err)
+
+
+class _LocalCorrupt(Exception):
+    pass
+
+
+def _writer(journal: RemoteJournal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
+    return lambda: journal.write(seq, dict(rec.event), tag=rec.id)

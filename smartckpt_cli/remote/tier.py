@@ -1,0 +1,165 @@
+"""The glue between the manager and the remote tier. The manager calls, in this order:
+
+1. ``RemoteTier.open(settings, store)`` before the local journal exists (a new node, a wiped
+   disk): ``adopted_store_id`` is the remote's store id, so the checkpoints it holds belong to
+   this store and keep passing the manifests' store check;
+2. ``order`` and ``load`` in ``restore``: what to try, and each try (local copy first, the
+   missing or damaged parts downloaded from the remote when it fails);
+3. ``start(store_id)`` once, then ``wake()`` after each commit;
+4. ``drain(timeout)`` on preemption, ``close(timeout)`` in ``close``.
+
+A remote that is down never raises out of here into training: restore falls back to what is
+local, the uploader retries in the background.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from smartckpt_cli.errors import CheckpointCorrupt
+from smartckpt_cli.journal import JournalState
+from smartckpt_cli.remote.backend import Remote, display_url, open_remote
+from smartckpt_cli.remote.check import REMOTE_LOCK
+from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, restore_order
+from smartckpt_cli.remote.replicator import Replicator
+from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.restore import candidates
+from smartckpt_cli.retention import GC_LOCK
+from smartckpt_cli.storage.local import file_lock
+from smartckpt_cli.store_dir import StoreDir
+
+__all__ = ["REMOTE_LOCK", "RemoteTier"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class RemoteTier:
+    def __init__(self, remote: Remote, store: StoreDir, settings: Any) -> None:
+        self.remote = remote
+        self.url = display_url(remote.url)
+        self.store = store
+        self.settings = settings
+        self.journal = RemoteJournal(remote)
+        self.replicator: Replicator | None = None
+        self.adopted_store_id: str | None = None
+
+    @classmethod
+    def open(cls, settings: Any, store: StoreDir) -> RemoteTier:
+        tier = cls(open_remote(settings.remote), store, settings)
+        if not store.journal.exists():
+            try:
+                tier.adopted_store_id = tier.journal.read().store_id
+            except Exception as err:
+                logger.warning("remote %s unreachable (%s); starting a new store", tier.url, _short(err))
+            if tier.adopted_store_id:
+                logger.info("remote %s: this store continues store %s", tier.url, tier.adopted_store_id)
+        return tier
+
+    # ------------------------------------------------------------------ restore
+
+    def order(self, state: JournalState, *, include_unhealthy: bool) -> list[Candidate]:
+        local = candidates(state.records, include_unhealthy=include_unhealthy)
+        try:
+            rstate = self.journal.read()
+        except Exception as err:
+            logger.warning(
+                "remote %s unreachable (%s); restoring from the local copy only", self.url, _short(err)
+            )
+            return [Candidate(r, "local", False) for r in local]
+        if rstate.store_id is not None and state.store_id is not None and rstate.store_id != state.store_id:
+            logger.warning("remote %s holds another store's checkpoints; not restoring from it", self.url)
+            return [Candidate(r, "local", False) for r in local]
+        remote_live = candidates(rstate.records, include_unhealthy=include_unhealthy)
+        return restore_order(local, {r.id for r in state.records}, remote_live)
+
+    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T:
+        """``loader(record)`` on the local copy; when the local copy is missing or fails, the
+        missing or damaged parts are downloaded (nothing else) and it is loaded again."""
+        if cand.where == "local":
+            try:
+                return loader(cand.record)
+            except CheckpointCorrupt as err:
+                if not cand.remote_copy:
+                    raise
+                logger.warning(
+                    "local copy of step %d fails (%s); repairing it from remote %s",
+                    cand.record.step,
+                    err,
+                    self.url,
+                )
+        self._fetch(cand)
+        return loader(cand.record)
+
+    def _fetch(self, cand: Candidate) -> None:
+        rec = cand.record
+        with file_lock(self.store.meta_root / GC_LOCK, shared=True):  # fetched blobs are no garbage
+            try:
+                got = fetch_checkpoint(
+                    self.remote,
+                    self.store.storage,
+                    self.store.blobs,
+                    rec,
+                    workers=self.settings.remote_workers,
+                )
+            except CheckpointCorrupt:
+                raise
+            except Exception as err:  # remote down mid-restore: fall back like any unusable copy
+                raise CheckpointCorrupt(
+                    f"step {rec.step}: remote {self.url} unreachable: {_short(err)}"
+                ) from err
+            if cand.where == "remote":
+                # The local journal learns of it: local retention, inspect and dedup see it.
+                self.store.journal.append(dict(rec.event))
+        logger.warning(
+            "step %d: downloaded %d blob(s)%s, %d byte(s) from remote %s; %d blob(s) were sound locally",
+            rec.step,
+            got.blobs,
+            " and the manifest" if got.manifest else "",
+            got.bytes,
+            self.url,
+            got.kept,
+        )
+
+    # ------------------------------------------------------------------ replication
+
+    def start(self, store_id: str, nice: int) -> None:
+        # One uploader per store: the manager's writer.lock already makes it one per store; the
+        # uploader takes remote.lock for each round (see check.REMOTE_LOCK).
+        self.replicator = Replicator(self.remote, self.store, store_id, self.settings, nice=nice)
+        self.replicator.start()
+        self.replicator.wake()  # a backlog left by an earlier run goes up now
+
+    def wake(self) -> None:
+        if self.replicator is not None:
+            self.replicator.wake()
+
+    def drain(self, timeout: float) -> bool:
+        if self.replicator is None:
+            return True
+        ok = self.replicator.drain(timeout)
+        if not ok:
+            st = self.replicator.status
+            logger.warning(
+                "remote %s: %d committed checkpoint(s) not uploaded after %.0f s (steps %s)%s",
+                self.url,
+                st.pending,
+                timeout,
+                st.pending_steps,
+                f"; last error: {st.last_error}" if st.last_error else "",
+            )
+        return ok
+
+    def close(self, timeout: float) -> None:
+        try:
+            self.drain(timeout)
+        finally:
+            if self.replicator is not None:
+                self.replicator.stop()
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:200]}"
