@@ -4,7 +4,6 @@ under 60 s on a CPU; the whole-run time is asserted with room for a slow, shared
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -102,11 +101,6 @@ def test_ddp_example_one_rank_resumes(tmp_path, child_env):
     _timed(both)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("smartckpt_cli.distributed") is None,
-    reason="multi-rank support (smartckpt_cli.distributed) is not in this build: every rank would open "
-    "the same store",
-)
 def test_ddp_example_two_ranks_resume(tmp_path, child_env):
     def both() -> None:
         run = [_torchrun(), "--standalone", "--nproc_per_node", "2", str(EXAMPLES / "ddp" / "train.py"),
