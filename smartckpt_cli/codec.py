@@ -28,6 +28,7 @@ import math
 import mmap
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,9 @@ __all__ = [
     "byte_view",
     "decode_into",
     "encode_chunk",
+    "encode_chunk_parts",
     "expand",
+    "parts_id",
     "raw_hash",
     "reduce",
     "tensor_bytes",
@@ -265,17 +268,68 @@ def _squeeze(data: memoryview, level: int) -> tuple[int, bytes | memoryview]:
 def encode_chunk(raw: memoryview, itemsize: int, level: int) -> tuple[str, bytes | memoryview]:
     """Returns (codec name, encoded bytes). Codecs: ``raw``; ``zstd``; ``planes``: a count byte,
     then per plane (flag: 0 raw / 1 zstd, u64 length), then the plane payloads."""
+    name, parts = encode_chunk_parts(raw, itemsize, level)
+    if len(parts) == 1:
+        return name, parts[0]
+    return name, b"".join(parts)
+
+
+def encode_chunk_parts(raw: memoryview, itemsize: int, level: int) -> tuple[str, list[bytes | memoryview]]:
+    """:func:`encode_chunk` as the list of pieces whose concatenation is the encoded blob, so a
+    writer can hash and write them without joining them first.
+
+    The planes of a ``planes`` chunk live in buffers of the calling thread that the next call on
+    this thread overwrites: write (or copy) the pieces before encoding the next chunk. Reusing
+    them matters: a fresh ~chunk-sized allocation per chunk is fresh pages for the kernel to hand
+    out, which on a virtual machine costs more than the encoding itself."""
     n = len(raw)
     if n < TINY or level < 0:
-        return "raw", raw
+        return "raw", [raw]
     if itemsize in PLANES and n % itemsize == 0:
-        frames = [_squeeze(_bytes_of(p), level) for p in split_planes(raw, itemsize)]
+        frames = [_squeeze(_bytes_of(p), level) for p in _split_planes_scratch(raw, itemsize)]
         if sum(len(f) for _, f in frames) >= n * 0.98:
-            return "raw", raw
+            return "raw", [raw]
         head = bytes([len(frames)]) + b"".join(_HEADER.pack(flag, len(f)) for flag, f in frames)
-        return "planes", b"".join([head, *(f for _, f in frames)])
+        return "planes", [head, *(f for _, f in frames)]
     flag, data = _squeeze(raw, level)
-    return ("zstd", data) if flag else ("raw", raw)
+    return ("zstd", [data]) if flag else ("raw", [raw])
+
+
+def parts_id(parts: Sequence[bytes | bytearray | memoryview]) -> str:
+    """:func:`blob_id` of the concatenation of ``parts``."""
+    if len(parts) == 1:
+        return blob_id(parts[0])
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
+
+
+_scratch = threading.local()
+
+
+def _scratch_array(key: str, count: int, dtype: Any) -> np.ndarray:
+    arr: np.ndarray | None = getattr(_scratch, key, None)
+    if arr is None or arr.size < count:
+        arr = np.empty(count, dtype=dtype)
+        setattr(_scratch, key, arr)
+    return arr[:count]
+
+
+def _split_planes_scratch(raw: memoryview, itemsize: int) -> list[np.ndarray]:
+    """:func:`split_planes` into this thread's reusable buffers (see :func:`encode_chunk_parts`)."""
+    u = np.frombuffer(raw, dtype=_UINT[itemsize])
+    planes = []
+    for i, (shift, width) in enumerate(PLANES[itemsize]):
+        plane = _scratch_array(f"plane{itemsize}.{i}", u.size, _UINT[width])
+        if shift:
+            shifted = _scratch_array(f"shift{itemsize}", u.size, _UINT[itemsize])
+            np.right_shift(u, shift, out=shifted)
+            np.copyto(plane, shifted, casting="unsafe")
+        else:
+            np.copyto(plane, u, casting="unsafe")
+        planes.append(plane)
+    return planes
 
 
 def _planes_from(data: ReadableBuffer, itemsize: int, count: int) -> list[np.ndarray]:

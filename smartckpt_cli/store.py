@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from smartckpt_cli.codec import blob_id
+from smartckpt_cli.codec import blob_id, parts_id
 from smartckpt_cli.storage.base import Buffer, Storage
 from smartckpt_cli.storage.local import TMP_MARK, PendingWrite
 
@@ -31,11 +31,14 @@ class BlobStore:
     def has(self, bid: str) -> bool:
         return self.storage.exists(self.rel(bid))
 
-    def begin(self, data: Buffer, bid: str | None = None) -> tuple[str, PendingWrite | None]:
-        """Start storing ``data``; returns (id, pending write), or (id, None) when the blob
-        already exists. The caller finishes the pending writes, then makes their directories
-        durable (``sync_dirs``) before committing."""
-        bid = bid or blob_id(data)
+    def begin(
+        self, data: Buffer | Sequence[Buffer], bid: str | None = None
+    ) -> tuple[str, PendingWrite | None]:
+        """Start storing ``data`` (one buffer, or pieces to be concatenated); returns (id, pending
+        write), or (id, None) when the blob already exists. The caller finishes the pending
+        writes, then makes their directories durable (``sync_dirs``) before committing."""
+        if bid is None:
+            bid = blob_id(data) if isinstance(data, bytes | bytearray | memoryview) else parts_id(data)
         if self.has(bid):
             return bid, None
         return bid, self.storage.begin(self.rel(bid), data)

@@ -128,17 +128,20 @@ class Persister:
         hit = self.known.get((rh, raw_len))
         if hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
             return [hit[0], hit[1], raw_len, rh, hit[2]], None
-        name, enc = codec.encode_chunk(chunk.view, chunk.itemsize, self.level)
-        bid = codec.blob_id(enc)
+        # The pieces are written before this thread encodes its next chunk (they may live in the
+        # thread's reusable plane buffers); a raw chunk's blob id is its raw hash, no second pass.
+        name, parts = codec.encode_chunk_parts(chunk.view, chunk.itemsize, self.level)
+        bid = rh if name == "raw" else codec.parts_id(parts)
+        enc_len = sum(len(memoryview(p).cast("B")) for p in parts)
         with self._begun_lock:  # identical chunks in one save: write the blob once
             if bid in self._begun:
-                self.known[(rh, raw_len)] = (bid, name, len(enc))
-                return [bid, name, raw_len, rh, len(enc)], None
+                self.known[(rh, raw_len)] = (bid, name, enc_len)
+                return [bid, name, raw_len, rh, enc_len], None
             self._begun.add(bid)
-        bid, pending = self.blobs.begin(enc, bid)
+        bid, pending = self.blobs.begin(parts, bid)
         fault_point("blob.stored")
-        self.known[(rh, raw_len)] = (bid, name, len(enc))
-        return [bid, name, raw_len, rh, len(enc)], pending
+        self.known[(rh, raw_len)] = (bid, name, enc_len)
+        return [bid, name, raw_len, rh, enc_len], pending
 
     def persist(self, snap: Snapshot) -> CommitInfo:
         t0 = time.perf_counter()

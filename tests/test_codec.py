@@ -114,3 +114,29 @@ def test_decode_rejects_wrong_length():
     out = np.empty(4 * 9_999, dtype=np.uint8)
     with pytest.raises(ValueError):
         codec.decode_into(name, bytes(enc), out, 4)
+
+
+def test_encoded_pieces_are_the_blob_and_survive_until_the_next_chunk():
+    """The writer hashes and writes the pieces without joining them; the planes live in the
+    thread's reusable buffers, so they must equal the joined encoding at the time they are used,
+    and the next, larger chunk grows them without disturbing the first blob."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.randn(300_000, generator=g) * 0.02
+    second = torch.randn(500_000, generator=g)
+    name, parts = codec.encode_chunk_parts(codec.tensor_bytes(first), 4, 1)
+    joined = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert name == "planes" and len(parts) > 1
+    assert (name, joined) == (lambda r: (r[0], bytes(r[1])))(
+        codec.encode_chunk(codec.tensor_bytes(first), 4, 1)
+    )
+    assert codec.parts_id(parts) == codec.blob_id(joined)
+    codec.encode_chunk_parts(codec.tensor_bytes(second), 4, 1)  # reuses and grows the buffers
+    out = torch.empty_like(first)
+    assert codec.decode_into(name, joined, codec.byte_view(out), 4) == codec.raw_hash(
+        codec.tensor_bytes(first)
+    )
+    assert torch.equal(out, first)
+    # A chunk that stays raw is named by its raw hash: one hash pass, and verify re-hashes it.
+    noise = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    raw_name, raw_parts = codec.encode_chunk_parts(codec.tensor_bytes(noise), 1, 1)
+    assert raw_name == "raw" and codec.parts_id(raw_parts) == codec.raw_hash(codec.tensor_bytes(noise))
