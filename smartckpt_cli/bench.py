@@ -1,16 +1,18 @@
 """``smartckpt bench``: smartckpt against the tools users would otherwise pick, in one run.
 
 Every figure is the median of ``reps`` repetitions, and the methods are interleaved within each
-repetition (A B C A B C ...) so that a noisy neighbour hurts all of them alike. Anchors:
+repetition, in an order that rotates from one repetition to the next (A B C D, B C D A, ...), so
+that a noisy neighbour, or what the previous method left behind, hurts all of them alike. Anchors:
 
 * ``torch.save`` + fsync (the traditional baseline) and ``torch.load`` + ``load_state_dict``;
 * ``torch.distributed.checkpoint.save`` and ``async_save`` (blocking time and total time);
 * the machine's lower bounds: copying the state into preallocated buffers, and a sequential
   write + fsync of the same number of bytes.
 
-smartckpt is measured on its eager path (``save()``: blocking time = the whole snapshot copy), its
-lazy path inside a real training step (what the loop actually waits), the time until the journal
-commit, the bytes on disk and the restore time. No rich here: the CLI renders the result.
+smartckpt runs as in training, one manager for the whole bench (``keep_last=2``), and is measured
+on its eager path (``save()``: blocking time = the whole snapshot copy), its lazy path inside a
+real training step (what the loop actually waits), the time until the journal commit, the bytes
+on disk and the restore time. No rich here: the CLI renders the result.
 """
 
 from __future__ import annotations
