@@ -221,28 +221,7 @@ def run_bench(
         result.add("dcp.async_save.total", time.perf_counter() - t0)
         rotate("dcp-async", path)
 
-    # smartckpt runs as in training: one manager for the whole bench (staging buffers and
-    # thread pools made once, by the warm-up save below), keep_last=2, so each save is written
-    # while the previous one exists and retention then removes the older one: the same rotation
-    # as the other contenders. A fresh manager per repetition would instead charge every measured
-    # save with a newly allocated 1.2 GB of staging memory right before it, a first-save cost.
-    sc: dict[str, Any] = {}
-
-    def smartckpt_start() -> None:
-        mgr = CheckpointManager(
-            root / "smartckpt",
-            precision=precision,
-            compression_level=compression_level,
-            workers=workers,
-            keep_last=2,
-            policy=_Always(),
-        )
-        mgr.register(model=model, optimizer=opt)
-        mgr.save(0, blocking=True)
-        sc["mgr"] = mgr
-
-    def smartckpt(rep: int) -> None:
-        mgr = sc["mgr"]
+    def smartckpt(rep: int) -> None:  # mgr: the bench's one manager, made below
         step = 10 * (rep + 1)
         # A training step changes every tensor, so the measured save shares nothing with the
         # previous one.
@@ -282,20 +261,32 @@ def run_bench(
         for name in ("dcp", "dcp-async"):
             dcp.save(dcp_state(), checkpoint_id=str(root / f"{name}-warmup"))
             rotate(name, root / f"{name}-warmup")
-        smartckpt_start()
-        for rep in range(reps):
-            progress(f"repetition {rep + 1} of {reps}")
-            bound_copy()
-            bound_write()
-            # The order of the contenders rotates from one repetition to the next: what ran just
-            # before (a large delete, a background flush) moves the next one's time on this VM.
-            contenders = [torch_save_load, dcp_save, dcp_async, smartckpt]
-            k = rep % len(contenders)
-            for fn in contenders[k:] + contenders[:k]:
-                fn(rep)
-                gc.collect()
+        # smartckpt runs as in training: one manager for the whole bench (staging buffers and
+        # thread pools made once, by the warm-up save), keep_last=2, so each save is written while
+        # the previous one exists and retention then removes the older one: the same rotation as
+        # the other contenders. A fresh manager per repetition would charge every measured save
+        # with a newly allocated 1.2 GB of staging memory right before it, a first-save cost.
+        with CheckpointManager(
+            root / "smartckpt",
+            precision=precision,
+            compression_level=compression_level,
+            workers=workers,
+            keep_last=2,
+            policy=_Always(),
+        ) as mgr:
+            mgr.register(model=model, optimizer=opt)
+            mgr.save(0, blocking=True)
+            for rep in range(reps):
+                progress(f"repetition {rep + 1} of {reps}")
+                bound_copy()
+                bound_write()
+                # The order of the contenders rotates from one repetition to the next: what ran
+                # just before (a large delete, a background flush) moves the next one's time here.
+                contenders = [torch_save_load, dcp_save, dcp_async, smartckpt]
+                k = rep % len(contenders)
+                for fn in contenders[k:] + contenders[:k]:
+                    fn(rep)
+                    gc.collect()
     finally:
-        if "mgr" in sc:
-            sc["mgr"].close()
         shutil.rmtree(root, ignore_errors=True)
     return result
