@@ -21,6 +21,18 @@ optimizer (its largest) carries a post-accumulate-grad hook that records its gra
 backward leaves it, on evaluation steps only; the pre-hook's sums are then rescaled by
 (norm at backward / (loss scale · norm at the step))². Per-value clipping (``clip_grad_value_``)
 is not a uniform scale and is not undone.
+
+The planned update is the norm of the step the optimizer is *about to* apply, estimated in the
+same pre-hook from the gradients it will consume (after clipping: this is what moves the
+weights). For parameters with Adam's second moment (``exp_avg_sq``) the step per tensor p is
+≈ lr·g/sqrt(v̂), whose squared norm is taken per tensor as lr²·n_p·Σg_p² / (Σv_p/bc + n_p·eps²),
+with Σv as Adam will hold it after this step, β₂·Σv + (1 − β₂)·Σg², and bc = 1 − β₂^t its bias
+correction: a gradient far above its running RMS raises the planned step up to 1/sqrt(1 − β₂)
+fold, as it raises the real one. For any other parameter it is SGD's lr·‖g‖. A gradient surge
+or a learning rate that jumps shows here *before* the weights change — the one moment a save
+still holds the state from before the update. It costs one more pass over memory (Σv, with
+``_foreach_norm`` of ord 1), on evaluation steps only. A learning rate held as a device tensor
+is skipped (reading it would sync).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ class SignalReading:
     curvature: float | None  # None until three evaluations exist
     grad_var: float | None
     raw_loss: float | None = None  # the newest step's loss, unfiltered
+    update: float | None = None  # norm of the update planned at this step (module docstring)
 
 
 def median_filter(values: list[float]) -> float:
@@ -67,6 +80,7 @@ class Signals:
         self._losses: deque[torch.Tensor] = deque(maxlen=window)
         self._filtered: deque[float] = deque(maxlen=3)
         self._grad: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (Σg², Σg, n)
+        self._update: torch.Tensor | None = None  # Σ over optimizers of the planned update²
         self._armed = False
         self._ref: dict[int, tuple[torch.Tensor, Any]] = {}  # id(optimizer) -> (ref param, hook)
         self._ref_norm: dict[int, torch.Tensor] = {}  # id(ref param) -> its norm after backward
@@ -127,6 +141,9 @@ class Signals:
                 # 1/c for a clip factor c (exactly 1 without clipping); left alone at zero norm
                 undo = torch.where(now > 0, at_backward.to(now.device) / now, torch.ones_like(now))
                 sumsq, total = sumsq * undo * undo, total * undo
+        planned = _planned_update_sq(optimizer, params, norms)
+        if planned is not None:
+            self._update = planned if self._update is None else self._update + planned.to(self._update.device)
         if self._grad is not None:
             prev_sq, prev_sum, prev_n = self._grad
             sumsq, total, n = sumsq + prev_sq.to(sumsq.device), total + prev_sum.to(total.device), n + prev_n
@@ -135,11 +152,13 @@ class Signals:
     def evaluate(self, step: int) -> SignalReading:
         """Move the window's losses and the gradient sums to the host in one transfer."""
         parts: list[torch.Tensor] = list(self._losses)
-        grad = self._grad
-        self._grad = None
+        grad, planned = self._grad, self._update
+        self._grad = self._update = None
         if grad is not None:
             dev = parts[0].device if parts else grad[0].device
             parts += [grad[0].to(dev), grad[1].to(dev)]
+        if planned is not None:
+            parts.append(planned.to(parts[0].device) if parts else planned)
         if not parts:
             return SignalReading(step, None, None, None)
         dev = parts[0].device
@@ -147,6 +166,9 @@ class Signals:
         # collective is ever started from the signals.
         host = torch.stack([local_tensor(p).to(dev).float() for p in parts]).tolist()  # the one sync
         losses = host[: len(self._losses)]
+        update = None
+        if planned is not None:
+            update = math.sqrt(max(host.pop(), 0.0))
         var = None
         if grad is not None:
             sumsq, total = host[-2], host[-1]
@@ -162,4 +184,67 @@ class Signals:
             curvature(list(self._filtered)),
             var,
             raw_loss=losses[-1] if losses else None,
+            update=update,
         )
+
+
+def _host_number(x: Any) -> float | None:
+    """A Python number, or a CPU tensor's value; None for a device tensor (reading it would sync)."""
+    if isinstance(x, torch.Tensor):
+        return float(x) if x.device.type == "cpu" and x.numel() == 1 else None
+    return float(x) if isinstance(x, int | float) else None
+
+
+def _planned_update_sq(optimizer: Any, params: list[torch.Tensor], norms: Any) -> torch.Tensor | None:
+    """Σ over ``params`` of the squared norm of the update the optimizer is about to apply (see
+    the module docstring), on the device: ``norms`` are the per-tensor gradient norms already
+    taken. None when no parameter group has a host learning rate."""
+    index = {id(p): i for i, p in enumerate(params)}
+    adam_sq: list[torch.Tensor] = []  # Σg² per tensor with an Adam second moment
+    adam_v: list[torch.Tensor] = []
+    old_w: list[float] = []  # β₂/bc: the moment so far, in v̂ after this step
+    new_w: list[float] = []  # (1 − β₂)/bc: this step's g², in v̂ after this step
+    eps_n: list[float] = []
+    adam_w: list[float] = []  # lr²·n per tensor
+    plain: list[torch.Tensor] = []  # lr²·Σg² per tensor without one
+    for group in optimizer.param_groups:
+        lr = _host_number(group.get("lr"))
+        if lr is None:
+            continue
+        betas = group.get("betas")
+        beta2 = float(betas[1]) if isinstance(betas, tuple | list) and len(betas) == 2 else 0.999
+        eps = float(group.get("eps", 1e-8) or 0.0)
+        for p in group["params"]:
+            i = index.get(id(p))
+            if i is None:
+                continue
+            sq = norms[i].float().pow(2)
+            state = optimizer.state.get(p) or {}
+            v = state.get("exp_avg_sq")
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse:
+                t = _host_number(state.get("step"))
+                adam_sq.append(sq)
+                adam_v.append(local_tensor(v))
+                bc = 1.0 - beta2 ** (t + 1) if t is not None and 0.0 < beta2 < 1.0 else 1.0
+                old_w.append(beta2 / bc)
+                new_w.append((1.0 - beta2) / bc)
+                eps_n.append(p.numel() * eps * eps)
+                adam_w.append(lr * lr * p.numel())
+            else:
+                plain.append(sq * (lr * lr))
+    terms = plain
+    if adam_v:
+        vsum = torch._foreach_norm(adam_v, 1)  # v ≥ 0: its L1 norm is Σv
+        scaled = torch._foreach_add(
+            torch._foreach_add(
+                torch._foreach_mul([x.float() for x in vsum], old_w), torch._foreach_mul(adam_sq, new_w)
+            ),
+            eps_n,
+        )
+        # an all-zero moment (a parameter that never had a gradient) plans no Adam step yet
+        denom = [torch.where(d > 0, d, torch.full_like(d, math.inf)) for d in scaled]
+        terms = terms + list(torch._foreach_mul(torch._foreach_div(adam_sq, denom), adam_w))
+    if not terms:
+        return None
+    dev = terms[0].device
+    return torch.stack([t.to(dev) for t in terms]).sum()

@@ -1,7 +1,8 @@
 """The signal trace of a run: one CSV line per evaluation, in ``<meta_dir>/traces/``.
 
-Columns: step, time (UTC seconds), loss (median-filtered), curvature, grad_var, score, decision
-(empty, or the reason of the save it triggered). ``smartckpt simulate`` replays these files.
+Columns: step, time (UTC seconds), loss (median-filtered), curvature, grad_var, update (the norm
+of the optimizer update planned at that step, signals.py), score, decision (empty, or the reason
+of the save it triggered; a save "precursor: ..." holds the state of the step before). ``smartckpt simulate`` replays these files.
 Lines are buffered and appended at each save and at close: a crash loses at most the lines since
 the last save, never the file's earlier content.
 """
@@ -16,7 +17,7 @@ from smartckpt_cli.signals import SignalReading
 
 __all__ = ["COLUMNS", "TraceWriter"]
 
-COLUMNS = ("step", "time", "loss", "curvature", "grad_var", "score", "decision")
+COLUMNS = ("step", "time", "loss", "curvature", "grad_var", "update", "score", "decision")
 
 
 def _num(x: float | None) -> str:
@@ -38,6 +39,7 @@ class TraceWriter:
                     _num(reading.loss),
                     _num(reading.curvature),
                     _num(reading.grad_var),
+                    _num(reading.update),
                     _num(score),
                     decision.replace(",", ";"),
                 ]

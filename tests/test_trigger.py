@@ -289,9 +289,10 @@ def test_trace_and_manifest_record_the_signals(tmp_path):
             mgr.step(step, loss=loss)
     (trace,) = (tmp_path / "traces").iterdir()
     lines = trace.read_text().splitlines()
-    assert lines[0] == "step,time,loss,curvature,grad_var,score,decision"
+    assert lines[0] == "step,time,loss,curvature,grad_var,update,score,decision"
     assert [int(ln.split(",")[0]) for ln in lines[1:]] == list(range(5, 41, 5))
     assert all(float(ln.split(",")[4]) > 0 for ln in lines[1:])  # gradient variance measured
+    assert all(float(ln.split(",")[5]) > 0 for ln in lines[1:])  # and the planned update
     assert lines[4].endswith("every 20 steps") and lines[8].endswith("every 20 steps")
     manifest = sorted((tmp_path / "manifests").iterdir())[-1].read_text()
     assert '"signals":{"curvature"' in manifest and '"step":40' in manifest

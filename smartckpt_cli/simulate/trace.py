@@ -29,6 +29,7 @@ class TraceRow:
     score: float | None = None
     decision: str = ""
     onset: bool = False
+    update: float | None = None  # planned update norm (newer traces; None in older ones)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def parse_trace(text: str, name: str = "trace") -> list[TraceRow]:
     if missing:
         raise ConfigError(
             f"{name} is not a smartckpt trace: no column {', '.join(missing)} "
-            f"(expected {','.join(REQUIRED)},score,decision)"
+            f"(expected {','.join(REQUIRED)},update,score,decision)"
         )
     at = {c: cols.index(c) for c in cols}
     rows: list[TraceRow] = []
@@ -105,6 +106,7 @@ def parse_trace(text: str, name: str = "trace") -> list[TraceRow]:
                 get("score"),
                 raw[at["decision"]].strip() if "decision" in at else "",
                 onset,
+                get("update"),
             )
         )
     return rows
