@@ -5,8 +5,10 @@ A ~100M-parameter MLP with AdamW (smartckpt_cli.bench.build_model) trains on CPU
 ``CheckpointManager.step(step, loss=loss)`` with the default (adaptive) policy; the manager never
 saves (``min_interval`` = ``max_interval`` = 10⁹ s: the budget never forces a save and the
 policy's own saves are floored away), but its signals and policy run exactly as in training:
-the loss is queued on every step, gradient statistics are reduced in the optimizer pre-hook
-before every evaluation, and every ``eval_every`` steps one host sync feeds the policy.
+the loss is queued on every step, gradient statistics and the planned update are reduced in the
+optimizer pre-hook of every evaluation step, which then makes the one host sync, shows the
+reading to the policy's ``before_update`` and, at the step boundary before it, captures the RNG
+and data states a save before the update would need.
 
 Two figures, both as a share of the plain step time:
 
@@ -66,19 +68,24 @@ def main() -> None:
             hook(*a)
             inside.append(time.perf_counter() - t)
 
-        mgr.register(model=model)  # the optimizer's pre-hook is installed per block below
+        mgr.register(model=model, optimizer=opt)
+        # The plain loop must not run the manager's optimizer pre-hook: register()'s is taken off
+        # and the same hook, timed, is installed only for the blocks with the manager.
+        for h in mgr._hooks:
+            h.remove()
         handle = None
         step_no = 0
 
         def block(with_mgr: bool) -> tuple[float, float]:
             nonlocal step_no, handle
-            # The plain loop must not run the manager's optimizer pre-hook: it is installed
-            # only for the blocks with the manager (the same hook register() installs).
             if with_mgr and handle is None:
                 handle = opt.register_step_pre_hook(timed_hook)
             elif not with_mgr and handle is not None:
                 handle.remove()
                 handle = None
+            # the gradient-norm hook on the largest parameter runs only when armed: not in the
+            # plain loop; in the manager's loop as step() arms it
+            mgr._signals.arm(with_mgr and mgr._signals.due(step_no + 1))
             inside.clear()
             t0 = time.perf_counter()
             for _ in range(args.block):

@@ -43,6 +43,7 @@ from smartckpt_cli.errors import (
     StoreLockedError,
 )
 from smartckpt_cli.preempt import PreemptionWatch
+from smartckpt_cli.prestep import Boundary
 from smartckpt_cli.registry import adapt
 from smartckpt_cli.restore import Loaded, candidates, load_checkpoint
 from smartckpt_cli.retention import GC_LOCK, collect_garbage, prune, select_prunable
@@ -195,6 +196,12 @@ class CheckpointManager:
         self._last_step = 0
         self._last_loss: torch.Tensor | float | None = None
         self._last_reading: SignalReading | None = None
+        # Evaluation in the optimizer pre-hook (one process): its reading waits for step(), and
+        # a policy's save before the update needs the boundary states (prestep.py).
+        self._boundary = Boundary()
+        self._pre_reading: SignalReading | None = None
+        self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
+        self._pre_saved: tuple[SaveHandle, str] | None = None
         # Smoothed costs of recent saves, fed to the policy: what the loop waited, and the
         # time until commit.
         self._cost_wait = 0.0
@@ -290,6 +297,37 @@ class CheckpointManager:
         # Gradient statistics for the next evaluation, reduced on the device.
         if self._signals.due(self._last_step + 1):
             self._signals.collect_grads(optimizer, self._loss_scale())
+            self._pre_hooks += 1
+            # After the last optimizer's statistics: evaluate here, before any update runs.
+            # Several ranks keep evaluating in step(): rank 0 decides for all there, and no
+            # collective may run in a hook.
+            if self._comm is None and self._pre_hooks == len(self._optimizers):
+                try:
+                    self._before_update(self._last_step + 1)
+                except Exception as err:  # never break the user's optimizer.step()
+                    logger.warning("save before the optimizer update failed: %s", err)
+                    with self._stats_lock:
+                        self._stats.failures.append(f"step {self._last_step}: {err}")
+
+    def _before_update(self, step: int) -> None:
+        """The evaluation of ``step`` (its one host sync), and the policy's save before the
+        update: the checkpoint of the previous step, whose parameters and moments are untouched."""
+        reading = self._pre_reading = self._signals.evaluate(step)
+        ask = getattr(self.policy, "before_update", None)
+        if ask is None:
+            return
+        decision: Decision = ask(self._context(step, reading))
+        if not decision.save:
+            return
+        busy = self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
+        prev = self._last_step
+        objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
+        if objects is None or busy:
+            return  # the alarm stays pending: step() takes it, after the update
+        self._last_reading = reading
+        handle = self._save(prev, decision, lazy=False, objects=objects)
+        self._pre_saved = (handle, decision.reason)
+        logger.info("step %d: saved before the update of step %d (%s)", prev, step, decision.reason)
 
     def _loss_scale(self) -> torch.Tensor | None:
         """The current scale of a registered, enabled GradScaler (a device tensor: no sync)."""
@@ -417,28 +455,32 @@ class CheckpointManager:
         The loss stays on its device; the signals are moved to the host once every
         ``eval_every`` steps (one synchronisation)."""
         self._last_step = step
+        # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
+        # this step's evaluation; this step's loss joins the next one's window.
+        reading, self._pre_reading = self._pre_reading, None
+        pre_saved, self._pre_saved = self._pre_saved, None
+        self._pre_hooks = 0
         if loss is not None:
             self._last_loss = loss
             self._signals.add_loss(loss)
-        reading = self._signals.evaluate(step) if self._signals.due(step) else None
+        if reading is None and self._signals.due(step):
+            reading = self._signals.evaluate(step)
         # Under `smartckpt run`: one heartbeat (the loss only when this step synced it anyway).
         runtime.beat(step, reading.raw_loss if reading else None, committed_step=self._committed[0])
-        self._signals.arm(self._signals.due(step + 1))
-        ctx = TriggerContext(
-            step,
-            time.monotonic(),
-            *self._scheduled,
-            loss=reading.raw_loss if reading else None,
-            reading=reading,
-            save_cost=self._cost_wait,
-            save_total=self._cost_total,
-            mtbf=self.settings.mtbf,
-        )
-        decision = self.policy.should_save(ctx)
+        due_next = self._signals.due(step + 1)
+        self._signals.arm(due_next)
+        if due_next and self._comm is None and self._optimizers:
+            self._boundary.capture(step, self._objects)
+        else:
+            self._boundary.clear()
+        decision = self.policy.should_save(self._context(step, reading))
         if reading is not None:
             self._last_reading = reading
-            self._trace.add(reading, decision.score, decision.reason if decision.save else "")
+            reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
+            self._trace.add(reading, decision.score, reason)
         result = StepResult()
+        if pre_saved is not None:
+            result.saved, result.handle, result.reason = True, pre_saved[0], pre_saved[1]
         signum = self._preempt.take()
         skip = self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
         if self._comm is not None:
@@ -465,6 +507,18 @@ class CheckpointManager:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
         return result
+
+    def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
+        return TriggerContext(
+            step,
+            time.monotonic(),
+            *self._scheduled,
+            loss=reading.raw_loss if reading else None,
+            reading=reading,
+            save_cost=self._cost_wait,
+            save_total=self._cost_total,
+            mtbf=self.settings.mtbf,
+        )
 
     def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
         """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
@@ -498,13 +552,15 @@ class CheckpointManager:
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)  # one sync per save
         return math.isfinite(value)
 
-    def _save(self, step: int, decision: Decision, *, lazy: bool) -> SaveHandle:
+    def _save(
+        self, step: int, decision: Decision, *, lazy: bool, objects: dict[str, tuple[str, Any]] | None = None
+    ) -> SaveHandle:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
         self.wait()  # one save in flight: its staging buffers are about to be refilled
         snap = take_snapshot(
-            self._objects,
+            self._objects if objects is None else objects,
             stager=self._stager,
             step=step,
             reason=decision.reason,

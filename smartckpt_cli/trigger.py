@@ -13,7 +13,12 @@ Policies, selectable by name (``policy:`` setting):
 * ``fixed``  – every ``every_steps`` steps or ``every_seconds`` seconds (``--every``).
 * ``seed``   – the seed's score (:func:`seed_score`), save when it reaches ``threshold``.
 * ``adaptive`` (default) – :class:`AdaptivePolicy`: a cost-aware interval on a clock the risk
-  speeds up, and an immediate save at a gradient-variance precursor.
+  speeds up, and a save before the optimizer update at a precursor (a surge of the planned
+  update, or of the gradient variance).
+
+A policy may also define ``before_update(ctx) -> Decision``: the manager asks it from the
+optimizer's step pre-hook on evaluation steps, with that step's reading, and a "save" there
+checkpoints the state of the *previous* step, before the update runs.
 """
 
 from __future__ import annotations
@@ -123,7 +128,8 @@ def _robust_z(x: float, history: deque[float], floor: float) -> float:
 @dataclass
 class AdaptivePolicy:
     """smartckpt's default: the Young/Daly interval, run on a clock that speeds up with the risk,
-    and an immediate save when the gradient variance breaks from its own history.
+    and a save *before the optimizer update* when the planned update or the gradient variance
+    breaks from its own history.
 
     **Interval.** The base interval is Young/Daly's T = sqrt(2·C·MTBF), with C what a checkpoint
     costs the training: the loop's measured wait per save plus ``background_share`` of the
@@ -138,18 +144,22 @@ class AdaptivePolicy:
     z-score, |x − median| / (1.4826 · MAD), so no threshold depends on the model's loss or
     gradient scale and the natural noise of each signal sets its own yardstick:
 
-    * gradient variance, on a log scale, *two-sided*: a surge (the usual precursor of a loss
-      spike, which grows before the loss does; the seed scored *low* variance as risky) and a
-      collapse (the gradients of a run that has just diverged into a flat region) both count.
-      It is the one signal that triggers an immediate save: on real fine-tuning traces its
-      z-score stays below 5 in calm training and passes 6 right after an instability.
+    * the planned update (signals.py: the norm of the step the optimizer is about to apply), on
+      a log scale, *one-sided*: a surge is the direct cause of a loss spike — a learning rate
+      that jumps, or a gradient far above Adam's running RMS (the usual mechanism of Adam's loss
+      spikes) — and it is read before the weights move. A shrinking update is harmless.
+    * gradient variance, on a log scale, *two-sided*: a surge and a collapse (the gradients of
+      a run that has just diverged into a flat region) both count. On real fine-tuning traces
+      its z-score stays below 5 in calm training and passes 6 right after an instability; it
+      reacts with the loss, rarely before it (measured: within noise while a ramped learning
+      rate already raised the loss).
     * loss curvature (second difference of the median-filtered loss): a sharp bend means the
       run is changing regime. It only moves the interval, never forces a save: on the same
       traces the curvature of a median-filtered per-batch loss is heavy-tailed (z > 6 several
       times in a calm run), so an alarm on it would spend checkpoints on noise.
 
-    **Risk and clock.** risk = sigmoid(2·(z − 4)) with z the larger of the two z-scores: ~0 in
-    calm training, 0.5 at z = 4. Time since the newest checkpoint is counted on a clock that
+    **Risk and clock.** risk = sigmoid(2·(z − 4)) with z the largest of the three z-scores: ~0
+    in calm training, 0.5 at z = 4. Time since the newest checkpoint is counted on a clock that
     runs sqrt(1 + (``hazard`` − 1)·risk) times faster than the wall clock — Young/Daly's
     interval for a failure rate ``hazard`` times higher at full risk; the default 4 halves the
     interval — and a save is due when that clock reaches T. Integrating the rate, rather than
@@ -158,10 +168,14 @@ class AdaptivePolicy:
     fluctuates, which is what keeps the expected lost work of random failures at the fixed
     schedule's.
 
-    **Alarm.** When the variance's z-score reaches ``alarm_z`` it saves at once (still subject to
-    ``min_interval``) and repeats the request until a save happens, so a state exists right at
-    the precursor; it re-arms once the z-score is back below ``alarm_z`` / 2, so a sustained
-    anomaly costs one checkpoint, not one per evaluation.
+    **Alarm.** When the planned update's or the variance's z-score reaches ``alarm_z``,
+    :meth:`before_update` — asked by the manager from the optimizer's step pre-hook, where both
+    are measured — answers "save now": the manager then saves the state of the previous step,
+    which the suspicious update has not touched yet (a known-good candidate, calm unless the
+    loss is already in an excursion). Where that save cannot be taken (min_interval, several
+    ranks, a buffer forward already changed), the alarm stays pending and ``should_save`` takes
+    it at the step boundary, after the update, marked not calm. One anomaly costs one
+    checkpoint: the alarm re-arms once both z-scores are back below ``alarm_z`` / 2.
 
     **Calm.** A save is calm (a known-good candidate that retention never evicts while it is
     the newest calm one) when the risk is below 0.5 and the filtered loss itself is not in an
@@ -183,6 +197,10 @@ class AdaptivePolicy:
     _curvs: deque[float] = field(init=False, repr=False)
     _risk: float = field(default=0.0, init=False)
     _z_var: float = field(default=0.0, init=False, repr=False)
+    _z_upd: float = field(default=0.0, init=False, repr=False)
+    _upds: deque[float] = field(init=False, repr=False)
+    _judged: SignalReading | None = field(default=None, init=False, repr=False)
+    _cause: str = field(default="", init=False, repr=False)
     _anchor: float | None = field(default=None, init=False, repr=False)  # newest save seen
     _clock: float = field(default=0.0, init=False, repr=False)  # risk-weighted seconds since it
     _seen: float = field(default=0.0, init=False, repr=False)  # ctx.now of the previous call
@@ -194,6 +212,7 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         self._vars = deque(maxlen=self.history)
         self._curvs = deque(maxlen=self.history)
+        self._upds = deque(maxlen=self.history)
         self._losses = deque(maxlen=self.history)
 
     @property
@@ -220,22 +239,38 @@ class AdaptivePolicy:
             self._losses.append(x)
 
     def risk(self, reading: SignalReading) -> float:
-        """Judge one evaluation (and add it to the history); returns the risk in [0, 1)."""
-        z_var = z_curv = 0.0
+        """Judge one evaluation (and add it to the history); returns the risk in [0, 1).
+        The same reading object is judged once, however often it is shown."""
+        if reading is self._judged:
+            return self._risk
+        self._judged = reading
+        z_var = z_curv = z_upd = 0.0
         if reading.grad_var is not None and reading.grad_var > 0 and math.isfinite(reading.grad_var):
             log_var = math.log2(reading.grad_var)
             if len(self._vars) >= 5:
                 z_var = _robust_z(log_var, self._vars, 0.1)
             self._vars.append(log_var)
+        if reading.update is not None and reading.update > 0 and math.isfinite(reading.update):
+            log_upd = math.log2(reading.update)
+            if len(self._upds) >= 5 and log_upd > statistics.median(self._upds):  # a surge only
+                z_upd = _robust_z(log_upd, self._upds, 0.1)
+            self._upds.append(log_upd)
         if reading.curvature is not None and math.isfinite(reading.curvature):
             if len(self._curvs) >= 5:
                 loss = reading.loss if reading.loss is not None and math.isfinite(reading.loss) else 0.0
                 z_curv = _robust_z(reading.curvature, self._curvs, max(0.01 * abs(loss), 1e-12))
             self._curvs.append(reading.curvature)
-        self._z_var = z_var
+        self._z_var, self._z_upd = z_var, z_upd
         if reading.loss is not None:
             self._track_loss(reading.loss)
-        return _sigmoid(2.0 * (max(z_var, z_curv) - 4.0))
+        self._risk = _sigmoid(2.0 * (max(z_var, z_curv, z_upd) - 4.0))
+        z = max(z_var, z_upd)
+        if z >= self.alarm_z and self._armed:
+            self._alarm, self._armed = True, False
+            self._cause = "planned update" if z_upd >= z_var else "gradient variance"
+        elif z < self.alarm_z / 2:
+            self._armed = True
+        return self._risk
 
     def interval(self, ctx: TriggerContext) -> float:
         """Young/Daly's T for the measured save cost (risk-free: the clock carries the risk)."""
@@ -246,7 +281,8 @@ class AdaptivePolicy:
         """How fast the clock runs at the current risk."""
         return math.sqrt(1.0 + (self.hazard - 1.0) * self._risk)
 
-    def should_save(self, ctx: TriggerContext) -> Decision:
+    def _advance(self, ctx: TriggerContext) -> None:
+        """Move the risk-weighted clock to ``ctx.now``; judge the reading, if any."""
         if ctx.last_save_time != self._anchor:  # a save happened (ours, the budget's, a manual one)
             self._anchor = ctx.last_save_time
             self._clock = max(0.0, ctx.now - ctx.last_save_time)
@@ -255,14 +291,21 @@ class AdaptivePolicy:
             self._clock += max(0.0, ctx.now - self._seen) * self.rate()
         self._seen = ctx.now
         if ctx.reading is not None:
-            self._risk = self.risk(ctx.reading)
-            if self._z_var >= self.alarm_z and self._armed:
-                self._alarm, self._armed = True, False
-            elif self._z_var < self.alarm_z / 2:
-                self._armed = True
+            self.risk(ctx.reading)
+
+    def before_update(self, ctx: TriggerContext) -> Decision:
+        """Asked from the optimizer's step pre-hook of an evaluation step, before the update: a
+        precursor alarm saves the state as it is *before* the update it warns about."""
+        self._advance(ctx)
+        if self._alarm:
+            return Decision(True, f"precursor: {self._cause}", self._risk, calm=self._surge is None)
+        return Decision(False, score=self._risk, calm=self._risk < 0.5 and self._surge is None)
+
+    def should_save(self, ctx: TriggerContext) -> Decision:
+        self._advance(ctx)
         risk = self._risk
         calm = risk < 0.5 and self._surge is None
-        if self._alarm:
+        if self._alarm:  # not taken before the update: the weights already moved
             return Decision(True, "risk alarm", risk, calm=False)
         due = self.interval(ctx)
         if self._clock >= due:
@@ -288,6 +331,18 @@ class Bounded:
             return Decision(True, "lost-work budget", inner.score, calm=inner.calm)
         decision = self.inner.should_save(ctx)
         if decision.save and self.bound_inner and since_t < self.min_interval:
+            return Decision(False, score=decision.score, calm=decision.calm)
+        return decision
+
+    def before_update(self, ctx: TriggerContext) -> Decision:
+        """The inner policy's save before the optimizer update (only policies that define
+        ``before_update`` take one), subject to ``min_interval``. The budget is not checked here:
+        it is kept at the step boundary."""
+        ask = getattr(self.inner, "before_update", None)
+        if ask is None:
+            return Decision(False)
+        decision: Decision = ask(ctx)
+        if decision.save and self.bound_inner and ctx.now - ctx.last_save_time < self.min_interval:
             return Decision(False, score=decision.score, calm=decision.calm)
         return decision
 

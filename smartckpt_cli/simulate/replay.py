@@ -61,42 +61,63 @@ class Save:
 
 
 def _reading(r: TraceRow) -> SignalReading:
-    return SignalReading(r.step, r.loss, r.curvature, r.grad_var, raw_loss=r.loss)
+    return SignalReading(r.step, r.loss, r.curvature, r.grad_var, raw_loss=r.loss, update=r.update)
 
 
 def replay(
     rows: Sequence[TraceRow], policy: Policy, cfg: SimConfig, *, mtbf: float | None = None
 ) -> tuple[list[Save], float]:
     """The saves ``policy`` takes on ``rows``, and the seconds the loop would wait for a save
-    in flight."""
+    in flight.
+
+    As in the manager, a row's reading is first shown to the policy's ``before_update`` (if it
+    has one): a save there holds the state of the step *before* the row's step (the update the
+    row's signals were measured for has not run), its time interpolated between the rows. Then
+    ``should_save`` decides at the row's step boundary."""
     start = rows[0].time
     last_step: int | None = None
     last_time = start
     busy_until = -math.inf
     stall = 0.0
     saves: list[Save] = []
-    for r in rows:
-        ctx = TriggerContext(
+    before = getattr(policy, "before_update", None)
+
+    def ctx(r: TraceRow, reading: SignalReading) -> TriggerContext:
+        return TriggerContext(
             r.step,
             r.time,
             last_step,
             last_time,
             loss=r.loss,
-            reading=_reading(r),
+            reading=reading,
             save_cost=cfg.save_cost,
             save_total=cfg.save_total,
             mtbf=mtbf if mtbf is not None else cfg.mtbf,
         )
-        d = policy.should_save(ctx)
-        if not d.save:
-            continue
+
+    def take(r: TraceRow, step: int, state_time: float, calm: bool, reason: str) -> None:
+        nonlocal busy_until, stall, last_step, last_time
         begin = max(r.time, busy_until)
         stall += begin - r.time
         busy_until = begin + cfg.save_total
         healthy = r.loss is None or math.isfinite(r.loss)
-        saves.append(Save(r.step, r.time, busy_until, d.calm and healthy, healthy, d.reason))
+        saves.append(Save(step, state_time, busy_until, calm and healthy, healthy, reason))
         if healthy:
-            last_step, last_time = r.step, r.time
+            last_step, last_time = step, r.time
+
+    prev: TraceRow | None = None
+    for r in rows:
+        reading = _reading(r)
+        if before is not None and prev is not None:
+            d = before(ctx(r, reading))
+            if d.save:
+                step = r.step - 1  # the state before this row's update
+                at = prev.time + (r.time - prev.time) * (step - prev.step) / (r.step - prev.step)
+                take(r, step, at, d.calm, d.reason)
+        d = policy.should_save(ctx(r, reading))
+        if d.save:
+            take(r, r.step, r.time, d.calm, d.reason)
+        prev = r
     return saves, stall
 
 
