@@ -80,7 +80,10 @@ def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[
             opt.step()
             opt.zero_grad(set_to_none=True)
             # The trace row of step i+1 holds the state after optimizer step i: perturbed from
-            # row min(perturbed)+1 on; its loss and gradients are those of the weights before.
+            # row min(perturbed)+1 on. Its signals were read in the pre-hook of step i, before
+            # that update (the gradients of the weights before it, the planned update with step
+            # i's learning rate, the losses up to step i-1), so a precursor save from row i+1
+            # holds the state of row i, untouched by update i.
             mgr.step(i + 1, loss=loss.detach())
             losses.append(loss.item())
             if (i + 1) % 50 == 0:
@@ -186,8 +189,13 @@ def report(name: str, res: SimResult, step_s: float, clean: dict[str, Any] | Non
     if clean is not None and clean["detected"]:
         ca = statistics.fmean(clean["adaptive"]["distances"])
         cf = statistics.fmean(clean["fixed"]["distances"])
+        ratio = (
+            f"= {cf / ca:.2f}x"
+            if ca > 0
+            else f"(adaptive {ca:.2f} s: it holds the last unperturbed state itself; fixed {cf:.2f} s)"
+        )
         lines.append(
-            f"{name}: fixed/adaptive mean clean distance = {cf / max(ca, 1e-9):.2f}x "
+            f"{name}: fixed/adaptive mean clean distance {ratio} "
             f"(perturbations with a detected onset: {clean['detected']})"
         )
     for ln in lines:

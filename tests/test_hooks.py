@@ -341,6 +341,36 @@ def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, tmp_path_factory, p
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 
+JOLT_AT = 14  # loop index whose optimizer step runs at 400x the learning rate (printed step 15)
+
+
+def test_zero_code_precursor_save_holds_the_step_before_the_update(
+    tmp_path, tmp_path_factory, python, child_env
+):
+    """The planned update surges in the jolt's optimizer pre-hook: zero-code mode saves step
+    JOLT_AT there, before the update, with that boundary's RNG, BatchNorm statistics and data
+    position; a run SIGKILLed right after resumes from it and trains on bit-exactly."""
+    ref_trace, ref_state = _plain_run(tmp_path_factory, "--jolt-at", str(JOLT_AT))
+    env = _zero_code_env(child_env, tmp_path)
+    del env["SMARTCKPT_EVERY_STEPS"]  # the default policy; signals every step; no interval save
+    env.update(SMARTCKPT_EVAL_EVERY="1", SMARTCKPT_MIN_INTERVAL="0", SMARTCKPT_MAX_INTERVAL="100000")
+    args = [python, str(SCRIPT), "--total", str(TOTAL), "--out", str(tmp_path / "final.pt"), "--step-time", "0.5", "--jolt-at", str(JOLT_AT)]  # fmt: skip
+    # Killed after the jolt's step: the next pre-hook may re-arm the alarm but cannot fire it.
+    out, rc = _run_until_step(args, env, tmp_path, JOLT_AT + 1)
+    assert rc == -signal.SIGKILL, out[-300:]
+    journal = [json.loads(ln) for ln in (tmp_path / "store" / "journal.jsonl").read_text().splitlines()]
+    commits = [(r["step"], r["reason"]) for r in journal if r["event"] == "commit"]
+    assert (JOLT_AT, "precursor: planned update") in commits and max(s for s, _ in commits) == JOLT_AT
+
+    env[proto.ENV_ATTEMPT] = "1"
+    res = _run(args, env, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"start {JOLT_AT}\n" in res.stdout
+    trace = _trace(res.stdout)
+    assert min(trace) == JOLT_AT + 1 and all(trace[n] == ref_trace[n] for n in trace)
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+
+
 def test_start_step_outside_smartckpt_run_is_zero(tmp_path, python, child_env):
     env = _env(child_env, None, SMARTCKPT_DIR=str(tmp_path / "store"))
     res = _run([python, str(SCRIPT), "--total", "3"], env, tmp_path)

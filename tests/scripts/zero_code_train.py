@@ -15,6 +15,8 @@ Arguments:
   --step-time S      extra seconds of sleep per step, as a real model would take (default 0)
   --amp              a GradScaler (CPU) whose scale changes every 3 steps; steps 4, 12 and 19
                      overflow on purpose, so the scaler skips their optimizer step
+  --jolt-at N        the optimizer step of loop index N (printed as step N+1) runs at 400x the
+                     learning rate: a loss spike whose cause the planned update shows in advance
   --fail-at N        raise RuntimeError("injected failure at step N") before step N+1 (N=0: before
                      the first step)
   --hang-at N        sleep forever before step N+1 (for hang detection)
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--amp", action="store_true")
+    p.add_argument("--jolt-at", type=int, default=None)
     p.add_argument("--fail-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--kill-at", type=int, default=None)
@@ -118,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             scaler.update()
         else:
             loss.backward()
+            if step == args.jolt_at:  # set from the schedule, as a loop that sets its lr would
+                for g, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+                    g["lr"] = 400.0 * lr
             opt.step()
+            for g, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+                g["lr"] = lr
         sched.step()
         opt.zero_grad()
         if args.step_time:
