@@ -453,7 +453,9 @@ class CheckpointManager:
         a blocking save and hands the signal on when a preemption signal arrived.
 
         The loss stays on its device; the signals are moved to the host once every
-        ``eval_every`` steps (one synchronisation)."""
+        ``eval_every`` steps (one synchronisation). With a registered optimizer (one process)
+        that happens in its step pre-hook, before the update, where a precursor can save the
+        previous step (``_before_update``); this step's result then reports that save."""
         self._last_step = step
         # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
         # this step's evaluation; this step's loss joins the next one's window.

@@ -206,6 +206,7 @@ class AdaptivePolicy:
     _seen: float = field(default=0.0, init=False, repr=False)  # ctx.now of the previous call
     _armed: bool = field(default=True, init=False, repr=False)
     _alarm: bool = field(default=False, init=False, repr=False)
+    _alarm_by: SignalReading | None = field(default=None, init=False, repr=False)  # who raised it
     _losses: deque[float] = field(init=False, repr=False)
     _surge: tuple[float, float, int] | None = field(default=None, init=False, repr=False)
 
@@ -266,7 +267,7 @@ class AdaptivePolicy:
         self._risk = _sigmoid(2.0 * (max(z_var, z_curv, z_upd) - 4.0))
         z = max(z_var, z_upd)
         if z >= self.alarm_z and self._armed:
-            self._alarm, self._armed = True, False
+            self._alarm, self._armed, self._alarm_by = True, False, reading
             self._cause = "planned update" if z_upd >= z_var else "gradient variance"
         elif z < self.alarm_z / 2:
             self._armed = True
@@ -295,9 +296,10 @@ class AdaptivePolicy:
 
     def before_update(self, ctx: TriggerContext) -> Decision:
         """Asked from the optimizer's step pre-hook of an evaluation step, before the update: a
-        precursor alarm saves the state as it is *before* the update it warns about."""
+        precursor alarm saves the state as it is *before* the update it warns about. Only the
+        reading that raised the alarm does: one step later, the state has taken that update."""
         self._advance(ctx)
-        if self._alarm:
+        if self._alarm and ctx.reading is not None and ctx.reading is self._alarm_by:
             return Decision(True, f"precursor: {self._cause}", self._risk, calm=self._surge is None)
         return Decision(False, score=self._risk, calm=self._risk < 0.5 and self._surge is None)
 
@@ -322,6 +324,7 @@ class Bounded:
     max_interval: float = 180.0
     max_interval_steps: int | None = None
     bound_inner: bool = True  # fixed schedules are the user's explicit wish: not floored
+    _last_precursor: float = field(default=-math.inf, init=False, repr=False)
 
     def should_save(self, ctx: TriggerContext) -> Decision:
         since_t = ctx.now - ctx.last_save_time
@@ -336,14 +339,18 @@ class Bounded:
 
     def before_update(self, ctx: TriggerContext) -> Decision:
         """The inner policy's save before the optimizer update (only policies that define
-        ``before_update`` take one), subject to ``min_interval``. The budget is not checked here:
-        it is kept at the step boundary."""
+        ``before_update`` take one). ``min_interval`` spaces these saves from one another, not
+        from the regular ones: a precursor right after a scheduled save still saves the state
+        before the update it warns about (alarms re-arm only once the signal is calm again, so
+        they stay rare). The budget is not checked here: it is kept at the step boundary."""
         ask = getattr(self.inner, "before_update", None)
         if ask is None:
             return Decision(False)
         decision: Decision = ask(ctx)
-        if decision.save and self.bound_inner and ctx.now - ctx.last_save_time < self.min_interval:
+        if decision.save and self.bound_inner and ctx.now - self._last_precursor < self.min_interval:
             return Decision(False, score=decision.score, calm=decision.calm)
+        if decision.save:
+            self._last_precursor = ctx.now
         return decision
 
 

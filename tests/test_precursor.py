@@ -179,3 +179,32 @@ def test_replay_puts_a_precursor_save_at_the_step_before_the_row():
         True,
     )
     assert save.commit == rows[40].time + 1.0  # taken during row 41's step, committed after
+
+
+def test_a_precursor_is_floored_only_by_another_and_never_saves_a_later_state():
+    rng = random.Random(2)
+
+    def reading(step, update):
+        return SignalReading(step, 1.0, 0.0, 1e-4 * 2 ** rng.gauss(0, 0.1), update=update)
+
+    def calm(step):
+        return reading(step, 1e-3 * 2 ** rng.gauss(0, 0.1))
+
+    pol = Bounded(AdaptivePolicy(mtbf=3600), min_interval=10.0, max_interval=1e9)
+    for s in range(1, 30):
+        pol.should_save(_ctx(s, calm(s)))
+    # a scheduled save 2 s ago: the precursor still saves the state before the update
+    surge = reading(30, 0.4)
+    assert pol.before_update(_ctx(30, surge, last_time=28.0)).save
+    pol.should_save(_ctx(30, surge, last_time=30.0))
+    pol.before_update(_ctx(31, calm(31), last_time=30.0))  # calm again: re-armed
+    pol.should_save(_ctx(31, calm(31), last_time=30.0))
+    # a second surge 2 s after the first precursor: floored; the alarm it raised is not taken
+    # before the next update (that state already holds the surging one), only at a boundary
+    second = reading(32, 0.4)
+    assert not pol.before_update(_ctx(32, second, last_time=30.0)).save
+    assert not pol.should_save(_ctx(32, second, last_time=30.0)).save  # min_interval too
+    later = reading(41, 1e-3)
+    assert not pol.before_update(_ctx(41, later, last_time=30.0)).save
+    d = pol.should_save(_ctx(41, later, last_time=30.0))
+    assert d.save and d.reason == "risk alarm" and not d.calm
