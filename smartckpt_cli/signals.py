@@ -30,8 +30,8 @@ with Σv as Adam will hold it after this step, β₂·Σv + (1 − β₂)·Σg²
 correction: a gradient far above its running RMS raises the planned step up to 1/sqrt(1 − β₂)
 fold, as it raises the real one. For any other parameter it is SGD's lr·‖g‖. A gradient surge
 or a learning rate that jumps shows here *before* the weights change — the one moment a save
-still holds the state from before the update. It costs one more pass over memory (Σv, with
-``_foreach_norm`` of ord 1), on evaluation steps only. A learning rate held as a device tensor
+still holds the state from before the update. It costs one more pass over memory (Σv), on
+evaluation steps only. A learning rate held as a device tensor
 is skipped (reading it would sync).
 """
 
@@ -234,7 +234,8 @@ def _planned_update_sq(optimizer: Any, params: list[torch.Tensor], norms: Any) -
                 plain.append(sq * (lr * lr))
     terms = plain
     if adam_v:
-        vsum = torch._foreach_norm(adam_v, 1)  # v ≥ 0: its L1 norm is Σv
+        # Σv per tensor: a plain sum (on CPU ``_foreach_norm`` of ord 1 took 3x as long)
+        vsum = [v.sum(dtype=torch.float32) for v in adam_v]
         scaled = torch._foreach_add(
             torch._foreach_add(
                 torch._foreach_mul([x.float() for x in vsum], old_w), torch._foreach_mul(adam_sq, new_w)
