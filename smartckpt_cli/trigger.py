@@ -172,9 +172,10 @@ class AdaptivePolicy:
     :meth:`before_update` — asked by the manager from the optimizer's step pre-hook, where both
     are measured — answers "save now": the manager then saves the state of the previous step,
     which the suspicious update has not touched yet (a known-good candidate, calm unless the
-    loss is already in an excursion). Where that save cannot be taken (min_interval, several
-    ranks, a buffer forward already changed), the alarm stays pending and ``should_save`` takes
-    it at the step boundary, after the update, marked not calm. One anomaly costs one
+    loss is already in an excursion). Where that save cannot be taken (another precursor save
+    less than ``min_interval`` ago, several ranks, a buffer forward already changed), the alarm
+    stays pending and ``should_save`` takes it at the step boundary, after the update, marked
+    not calm. One anomaly costs one
     checkpoint: the alarm re-arms once both z-scores are back below ``alarm_z`` / 2.
 
     **Calm.** A save is calm (a known-good candidate that retention never evicts while it is
