@@ -31,8 +31,8 @@ correction: a gradient far above its running RMS raises the planned step up to 1
 fold, as it raises the real one. For any other parameter it is SGD's lr·‖g‖. A gradient surge
 or a learning rate that jumps shows here *before* the weights change — the one moment a save
 still holds the state from before the update. It costs one more pass over memory (Σv), on
-evaluation steps only. A learning rate held as a device tensor
-is skipped (reading it would sync).
+evaluation steps only. A learning rate held as a device tensor is skipped (reading it would
+sync). Under FSDP2 each rank plans from its local shards, like the variance.
 """
 
 from __future__ import annotations
@@ -223,13 +223,15 @@ def _planned_update_sq(optimizer: Any, params: list[torch.Tensor], norms: Any) -
             v = state.get("exp_avg_sq")
             if isinstance(v, torch.Tensor) and v.shape == p.shape and not v.is_sparse:
                 t = _host_number(state.get("step"))
+                local = local_tensor(v)
+                n = local.numel()  # the shard's, as Σg² and Σv are the shard's
                 adam_sq.append(sq)
-                adam_v.append(local_tensor(v))
+                adam_v.append(local)
                 bc = 1.0 - beta2 ** (t + 1) if t is not None and 0.0 < beta2 < 1.0 else 1.0
                 old_w.append(beta2 / bc)
                 new_w.append((1.0 - beta2) / bc)
-                eps_n.append(p.numel() * eps * eps)
-                adam_w.append(lr * lr * p.numel())
+                eps_n.append(n * eps * eps)
+                adam_w.append(lr * lr * n)
             else:
                 plain.append(sq * (lr * lr))
     terms = plain

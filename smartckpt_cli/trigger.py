@@ -300,7 +300,7 @@ class AdaptivePolicy:
         precursor alarm saves the state as it is *before* the update it warns about. Only the
         reading that raised the alarm does: one step later, the state has taken that update."""
         self._advance(ctx)
-        if self._alarm and ctx.reading is not None and ctx.reading is self._alarm_by:
+        if self._alarm and ctx.reading is self._alarm_by:
             return Decision(True, f"precursor: {self._cause}", self._risk, calm=self._surge is None)
         return Decision(False, score=self._risk, calm=self._risk < 0.5 and self._surge is None)
 

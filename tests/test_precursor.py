@@ -27,9 +27,9 @@ def _planned_and_actual(opt_name: str, lr_factor: float = 1.0) -> tuple[float, f
         if opt_name == "sgd"
         else torch.optim.AdamW(model.parameters(), lr=1e-3)
     )
+    sig = Signals(eval_every=1)
     for i in range(12):
         model(torch.randn(8, 16)).pow(2).mean().backward()
-        sig = Signals(eval_every=1)
         if i == 11:
             for g in opt.param_groups:
                 g["lr"] *= lr_factor
