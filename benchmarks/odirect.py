@@ -2,6 +2,9 @@
 (smartckpt's chunk size) with write + fsync, buffered vs O_DIRECT, on the directory given.
 
     python benchmarks/odirect.py --dir /path/on/the/target/disk --mb 512 --reps 5
+
+It measures the disk alone: no tensor is involved, so ``--device`` (taken, as by every script
+here) changes nothing but is checked like everywhere else.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import mmap
 import os
 import statistics
 import time
+
+import _common as C
 
 
 def _write(path: str, buf: mmap.mmap, total: int, direct: bool) -> float:
@@ -27,11 +32,13 @@ def _write(path: str, buf: mmap.mmap, total: int, direct: bool) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default=".")
     p.add_argument("--mb", type=int, default=512)
     p.add_argument("--reps", type=int, default=5)
+    C.add_device_argument(p, "unused here: this measures the disk alone")
     args = p.parse_args()
+    C.device_of(args, p)
     buf = mmap.mmap(-1, 16 << 20)  # page-aligned, as O_DIRECT requires
     buf.write(os.urandom(16 << 20))
     total = args.mb << 20

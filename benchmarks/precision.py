@@ -61,7 +61,7 @@ class Run:
     """A model, its AdamW, a warmup + linear-decay schedule."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.model = C.load_minilm()
+        self.model = C.load_minilm().to(args.dev)
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.01)
         total = args.steps + args.continue_steps
@@ -105,11 +105,12 @@ class Run:
             self.model.train()
 
     def params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).clone()
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()]).cpu()
 
     def moments(self) -> dict[str, list[torch.Tensor]]:
         sd = self.opt.state_dict()["state"]
-        return {m: [sd[i][m].clone() for i in sorted(sd)] for m in MOMENTS}
+        # on the host: compared there, and the GPU keeps only the live run's state
+        return {m: [sd[i][m].detach().cpu().clone() for i in sorted(sd)] for m in MOMENTS}
 
 
 # ---------------------------------------------------------------- (a) round trip
@@ -221,7 +222,9 @@ def main() -> None:
     ap.add_argument("--skip-uninterrupted", action="store_true", help="no invariant-1 check run")
     ap.add_argument("--workdir", help="where the stores go (default: a temporary directory)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
+    C.add_device_argument(ap, "where the model trains")
     args = ap.parse_args()
+    args.dev = C.device_of(args, ap)
     try:
         C.minilm_dir()
     except (ImportError, FileNotFoundError) as err:

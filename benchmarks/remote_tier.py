@@ -1,6 +1,6 @@
 """What the remote tier costs the training loop, and what it buys after a lost disk.
 
-Trains an MLP with AdamW (CPU) for ``--steps`` steps, saving every ``--every`` steps, twice:
+Trains an MLP with AdamW (on ``--device``) for ``--steps`` steps, saving every ``--every`` steps, twice:
 without a remote, and with ``--remote`` (default: a ``file://`` directory in the work dir; pass
 an ``s3://`` URL with the usual AWS_* variables for object storage). Reports per variant:
 
@@ -11,7 +11,7 @@ an ``s3://`` URL with the usual AWS_* variables for object storage). Reports per
 - restore after wipe: the local store deleted, a new manager restores from the remote (time,
   step restored).
 
-    python benchmarks/remote_tier.py [--params 5e6] [--steps 60] [--every 10]
+    python benchmarks/remote_tier.py [--device cpu|cuda] [--params 5e6] [--steps 60] [--every 10]
                                      [--remote s3://bucket/prefix] [--bandwidth-mb 0] [--json out.json]
 
 Figures on a shared 2-core machine are noisy; compare the two variants of one run.
@@ -20,6 +20,7 @@ Figures on a shared 2-core machine are noisy; compare the two variants of one ru
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import statistics
@@ -30,32 +31,35 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+# `python benchmarks/X.py` from a checkout without an install runs the checkout; an installed
+# smartckpt wins otherwise (a checkout alone lacks the `smartckpt_cli.hooks` package it maps in).
+if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from smartckpt_cli import CheckpointManager  # noqa: E402
 from smartckpt_cli.remote.check import STATUS_FILE  # noqa: E402
 
 
-def build(params: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+def build(params: float, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     torch.manual_seed(0)
     width = max(64, int((params / 3) ** 0.5))
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
         torch.nn.Linear(width, width),
-    )  # fmt: skip
+    ).to(device)  # fmt: skip
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), width
 
 
 def one_variant(work: Path, args: argparse.Namespace, remote: str | None) -> dict[str, Any]:
-    model, opt, width = build(args.params)
+    model, opt, width = build(args.params, args.dev)
     store = work / ("with-remote" if remote else "local-only")
     extra: dict[str, Any] = {"remote": remote, "remote_bandwidth_mb": args.bandwidth_mb} if remote else {}
     mgr = CheckpointManager(store, every_steps=args.every, keep_last=3, **extra)
     mgr.register(model=model, optimizer=opt)
-    x = torch.randn(32, width)
+    x = torch.randn(32, width, device=args.dev)
     step_times, waits = [], []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -63,6 +67,7 @@ def one_variant(work: Path, args: argparse.Namespace, remote: str | None) -> dic
         opt.step()
         opt.zero_grad()
         res = mgr.step(step)
+        C.synchronize(args.dev)  # a step's time includes its queued device work
         step_times.append(time.perf_counter() - t0)
         if res.handle is not None:
             res.handle.wait()
@@ -87,7 +92,7 @@ def one_variant(work: Path, args: argparse.Namespace, remote: str | None) -> dic
         out["bytes_sent"] = final["bytes_sent"]
         out["blobs_deduped"] = final["blobs_deduped"]
         shutil.rmtree(store)
-        model2, opt2, _ = build(args.params)
+        model2, opt2, _ = build(args.params, args.dev)
         t0 = time.perf_counter()
         with CheckpointManager(store, remote=remote) as m2:
             m2.register(model=model2, optimizer=opt2)
@@ -105,7 +110,9 @@ def main() -> int:
     p.add_argument("--bandwidth-mb", type=float, default=0.0, help="remote_bandwidth_mb (0: unlimited)")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    C.add_device_argument(p, "where the model trains")
     args = p.parse_args()
+    args.dev = C.device_of(args, p)
     work = Path(tempfile.mkdtemp(prefix="smartckpt-remote-bench-", dir=args.workdir))
     try:
         remote = args.remote or f"file://{work / 'remote'}"

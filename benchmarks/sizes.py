@@ -66,8 +66,8 @@ class TinyLM(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         n = ids.shape[1]
-        x = self.tok(ids) + self.pos(torch.arange(n))
-        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        x = self.tok(ids) + self.pos(torch.arange(n, device=ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
         for block in self.blocks:
             x = block(x, src_mask=mask, is_causal=True)
         return self.norm(x) @ self.tok.weight.T
@@ -75,7 +75,8 @@ class TinyLM(nn.Module):
 
 def lm_step(model: TinyLM, opt: torch.optim.Optimizer, args: argparse.Namespace, step: int) -> float:
     g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    # drawn on the CPU (the same tokens on every device), then moved where the model is
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).to(args.dev)
     logits = model(ids[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
     loss.backward()
@@ -152,7 +153,7 @@ def compare(
 
 def build_lm(args: argparse.Namespace, seed: int) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq)
+    return TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.seq).to(args.dev)
 
 
 def synthetic(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -239,7 +240,7 @@ def frozen(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def minilm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    model = C.load_minilm()
+    model = C.load_minilm().to(args.dev)
     data = C.TextData(max_len=args.minilm_seq)
     n = sum(p.numel() for p in model.parameters())
     print(
@@ -366,7 +367,9 @@ def main() -> None:
     g.add_argument("--minilm-batch", type=int, default=32)
     g.add_argument("--minilm-seq", type=int, default=32)
     g.add_argument("--minilm-lr", type=float, default=5e-5)
+    C.add_device_argument(ap, "where the models train")
     args = ap.parse_args()
+    args.dev = C.device_of(args, ap)
     if args.threads:
         torch.set_num_threads(args.threads)
 

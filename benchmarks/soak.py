@@ -1,7 +1,7 @@
 """200 consecutive saves (issue 3, item 5): resident memory, file descriptors and threads after
 the warm-up against the end, with the staging copy's size for scale.
 
-    python benchmarks/soak.py --params 2.5e7 --saves 200 --dir /tmp/soak
+    python benchmarks/soak.py [--device cuda] --params 2.5e7 --saves 200 --dir /tmp/soak
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import json
 import shutil
 import threading
 
+import _common as C
 import psutil
 
 import smartckpt_cli as sc
-from smartckpt_cli.bench import _train_step, build_model
+from smartckpt_cli.ops.bench import build_model, train_step
 
 
 def main() -> None:
@@ -23,14 +24,16 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=200)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--dir", default="/tmp/smartckpt-soak")
+    C.add_device_argument(p, "where the model trains")
     args = p.parse_args()
+    device = C.device_of(args, p)
     shutil.rmtree(args.dir, ignore_errors=True)
-    model, opt = build_model(int(args.params))
+    model, opt = build_model(int(args.params), device=device)
     proc = psutil.Process()
     with sc.CheckpointManager(args.dir, keep_last=2, every_steps=1) as mgr:
         mgr.register(model=model, optimizer=opt)
         for step in range(1, args.saves + 1):
-            _train_step(model, opt, batch=2)
+            train_step(model, opt, batch=2)
             res = mgr.step(step)
             assert res.saved, step
             if step == args.warmup:
@@ -42,6 +45,7 @@ def main() -> None:
         failures = mgr.failures
     shutil.rmtree(args.dir, ignore_errors=True)
     out = {
+        "device": device.type,
         "saves": args.saves,
         "staging_bytes": staging,
         "rss_growth_bytes": after[0] - before[0],

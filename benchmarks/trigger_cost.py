@@ -1,6 +1,6 @@
 """What evaluating the trigger costs a training step (issue 4, must-show 3; target < 1%).
 
-A ~100M-parameter MLP with AdamW (smartckpt_cli.bench.build_model) trains on CPU. Blocks of
+A ~100M-parameter MLP with AdamW (smartckpt_cli.ops.bench.build_model) trains on ``--device``. Blocks of
 ``--block`` steps alternate between a plain loop and the same loop calling
 ``CheckpointManager.step(step, loss=loss)`` with the default (adaptive) policy; the manager never
 saves (``min_interval`` = ``max_interval`` = 10⁹ s: the budget never forces a save and the
@@ -18,7 +18,7 @@ Two figures, both as a share of the plain step time:
 * direct: the time spent inside the manager's code itself, measured around ``mgr.step`` and
   around its optimizer pre-hook, summed per block; median over blocks.
 
-    python benchmarks/trigger_cost.py [--params 1e8] [--blocks 8] [--block 20] [--eval-every 10]
+    python benchmarks/trigger_cost.py [--device cpu|cuda] [--params 1e8] [--blocks 8] [--block 20] [--eval-every 10]
 """
 
 from __future__ import annotations
@@ -29,20 +29,12 @@ import tempfile
 import time
 from typing import Any
 
+import _common as C
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.bench import build_model
-
-
-def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: int) -> torch.Tensor:
-    """smartckpt_cli.bench._train_step, returning the loss for the manager."""
-    width = next(model.parameters()).shape[1]
-    loss = model(torch.randn(batch, width)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+from smartckpt_cli.ops.bench import build_model
+from smartckpt_cli.ops.bench import train_step as step_fn  # its input is made on the model's device
 
 
 def main() -> None:
@@ -53,9 +45,11 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=20, help="steps per block (a multiple of eval_every)")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    C.add_device_argument(ap, "where the model trains")
     args = ap.parse_args()
+    device = C.device_of(args, ap)
     torch.set_num_threads(args.threads)
-    model, opt = build_model(int(args.params))
+    model, opt = build_model(int(args.params), device=device)
     n = sum(p.numel() for p in model.parameters())
     inside: list[float] = []  # seconds spent in the manager's code, current block
 
@@ -87,6 +81,7 @@ def main() -> None:
             # plain loop; in the manager's loop as step() arms it
             mgr._signals.arm(with_mgr and mgr._signals.due(step_no + 1))
             inside.clear()
+            C.synchronize(device)
             t0 = time.perf_counter()
             for _ in range(args.block):
                 loss = step_fn(model, opt, args.batch)
@@ -97,6 +92,7 @@ def main() -> None:
                     inside.append(time.perf_counter() - t)
                     if res.saved:
                         raise RuntimeError("the manager saved; the measurement assumes no saves")
+            C.synchronize(device)  # the block's queued work belongs to its time
             return (time.perf_counter() - t0) / args.block, sum(inside) / args.block
 
         for _ in range(2):  # warm up both paths
@@ -123,7 +119,7 @@ def main() -> None:
     base = statistics.median(without_s)
     q = statistics.quantiles(diff, n=4) if len(diff) >= 4 else [diff[0], 0, diff[-1]]
     print(
-        f"model: {n / 1e6:.1f}M parameters, AdamW, batch {args.batch}, {args.threads} threads; "
+        f"model: {n / 1e6:.1f}M parameters on {device}, AdamW, batch {args.batch}, {args.threads} threads; "
         f"{args.blocks} interleaved pairs of {args.block}-step blocks; eval_every {args.eval_every} "
         f"({evals} evaluations)"
     )

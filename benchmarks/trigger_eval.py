@@ -52,7 +52,7 @@ from smartckpt_cli.simulate import Onset, SimConfig, SimResult, read_trace, reta
 def train(args: argparse.Namespace, data: C.TextData, store: Path, spikes: list[int]) -> dict[str, Any]:
     """One fine-tune under CheckpointManager; returns the losses and the perturbed steps."""
     torch.manual_seed(args.seed)
-    model = C.load_minilm(num_layers=args.layers)
+    model = C.load_minilm(num_layers=args.layers).to(args.dev)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # loop index -> learning-rate multiplier. "jolt": the full factor at once (no precursor);
@@ -236,7 +236,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/smartckpt-trigger-eval")
     ap.add_argument("--reuse", help="a workdir of an earlier run: simulate its traces, train nothing")
     ap.add_argument("--json", help="also write the figures to this JSON file")
+    C.add_device_argument(ap, "where the model trains")
     args = ap.parse_args()
+    args.dev = C.device_of(args, ap)
     torch.set_num_threads(args.threads)
     spikes = [int(s) for s in args.spikes.split(",") if s.strip()]
     work = Path(args.reuse or args.workdir)

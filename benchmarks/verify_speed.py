@@ -8,7 +8,7 @@ default settings, then, per repetition, interleaved and each from a cold page ca
 - ``read WILLNEED``: the same, with posix_fadvise WILLNEED issued a few files ahead (whole-file
   readahead: large requests, as a tuned sequential reader would make);
 - ``read O_DIRECT``: the same files read with O_DIRECT (no page cache at all), where supported;
-- ``verify``: ``smartckpt_cli.verify.verify`` (what ``smartckpt verify DIR`` runs: re-hash every
+- ``verify``: ``smartckpt_cli.ops.verify.verify`` (what ``smartckpt verify DIR`` runs: re-hash every
   blob, decode every chunk, check every raw hash) after dropping the same pages.
 
 The order of the four rotates from one repetition to the next: on a virtual machine the host may
@@ -16,12 +16,13 @@ cache what the guest just read, which favours whatever runs right after a read o
 The machine's sequential read bandwidth is the fastest of the reads' medians; the figure of merit
 is verify's throughput (encoded bytes checked per second) over it. The issue asks for >= 0.5.
 
-    python benchmarks/verify_speed.py --dir /path/on/the/disk --reps 5 [--params 1e8] [--json out.json]
+    python benchmarks/verify_speed.py [--device cpu|cuda] --dir /path/on/the/disk --reps 5 [--params 1e8] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import mmap
 import os
@@ -33,15 +34,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/X.py` from a checkout without an install
+# `python benchmarks/X.py` from a checkout without an install runs the checkout; an installed
+# smartckpt wins otherwise (a checkout alone lacks the `smartckpt_cli.hooks` package it maps in).
+if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 
 from smartckpt_cli import CheckpointManager  # noqa: E402
-from smartckpt_cli.bench import build_model  # noqa: E402
-from smartckpt_cli.store_dir import open_store  # noqa: E402
-from smartckpt_cli.verify import verify  # noqa: E402
+from smartckpt_cli.ops.bench import build_model  # noqa: E402
+from smartckpt_cli.ops.verify import verify  # noqa: E402
+from smartckpt_cli.store.directory import open_store  # noqa: E402
 
 CHUNK = 16 << 20
 
@@ -137,12 +141,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workers", type=int, default=0, help="verify threads (0: verify's default)")
     p.add_argument("--json", default=None, help="also write the results here")
+    C.add_device_argument(p, "where the model whose checkpoint is verified lives")
     args = p.parse_args()
+    device = C.device_of(args, p)
 
     base = Path(tempfile.mkdtemp(prefix="verify-speed-", dir=args.dir))
     store = base / "store"
     try:
-        model, opt = build_model(int(args.params))
+        model, opt = build_model(int(args.params), device=device)
         raw = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         raw += sum(
             t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)

@@ -13,7 +13,7 @@ _smartckpt() {
     cmd="${words[0]}"
     [[ "$cmd" == "config" && -n "${words[1]}" ]] && cmd="config ${words[1]}"
     case "$cmd" in
-        "") COMPREPLY=($(compgen -W "demo inspect ls verify prune rollback export completions bench simulate run config -h --help" -- "$cur")); return ;;
+        "") COMPREPLY=($(compgen -W "demo inspect ls verify prune rollback export plot completions bench simulate run config -h --help" -- "$cur")); return ;;
         "config") COMPREPLY=($(compgen -W "show -h --help" -- "$cur")); return ;;
     esac
     case "$cmd" in
@@ -66,6 +66,20 @@ _smartckpt() {
             esac
             [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --format --weights-only --force --meta-dir -h --help" -- "$cur")) && return
             ;;
+        "plot")
+            case "$prev" in
+                -o|--output) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --run) COMPREPLY=(); return ;;
+                --steps) COMPREPLY=(); return ;;
+                --x) COMPREPLY=($(compgen -W "time step" -- "$cur")); return ;;
+                --points) COMPREPLY=(); return ;;
+                --dpi) COMPREPLY=(); return ;;
+                --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --max-interval) COMPREPLY=(); return ;;
+            esac
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "-o --output --run --steps --x --points --dpi --json --meta-dir --config --max-interval -h --help" -- "$cur")) && return
+            ;;
         "completions")
             case "$prev" in
             esac
@@ -74,15 +88,19 @@ _smartckpt() {
             ;;
         "bench")
             case "$prev" in
+                --device) COMPREPLY=(); return ;;
                 --params) COMPREPLY=(); return ;;
                 --reps) COMPREPLY=(); return ;;
+                --every) COMPREPLY=(); return ;;
+                --rounds) COMPREPLY=(); return ;;
+                --batch) COMPREPLY=(); return ;;
                 --precision) COMPREPLY=(); return ;;
                 --level) COMPREPLY=(); return ;;
                 --workers) COMPREPLY=(); return ;;
                 --workdir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --json) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--params --reps --precision --level --workers --workdir --json -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--device --params --reps --every --rounds --batch --precision --level --workers --workdir --json -h --help" -- "$cur")) && return
             ;;
         "simulate")
             case "$prev" in
@@ -96,8 +114,9 @@ _smartckpt() {
                 --spike-k) COMPREPLY=(); return ;;
                 --onsets) COMPREPLY=(); return ;;
                 --rollback-at) COMPREPLY=(); return ;;
+                --plot) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--mtbf --save-cost --save-total --checkpoints --min-interval --max-interval --keep-last --spike-k --onsets --rollback-at --all-runs --json -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--mtbf --save-cost --save-total --checkpoints --min-interval --max-interval --keep-last --spike-k --onsets --rollback-at --all-runs --json --plot -h --help" -- "$cur")) && return
             ;;
         "run")
             case "$prev" in

@@ -12,6 +12,7 @@ _smartckpt() {
     'prune:Remove old checkpoints and unreferenced blobs, never the newest verified one.'
     'rollback:Make the next resume start from an earlier checkpoint (or --undo that).'
     'export:Write a checkpoint as a torch or safetensors file that loads without smartckpt.'
+    'plot:Draw a run'\''s timeline - loss and signals, every checkpoint by reason and health,'
     'completions:Print the bash, zsh or fish completion script for smartckpt.'
     'bench:Measure smartckpt against torch.save, torch.distributed.checkpoint and the...'
     'simulate:Replay a signal trace under the fixed, seed and adaptive policies at the same...'
@@ -33,6 +34,7 @@ _smartckpt() {
         prune) _smartckpt_prune ;;
         rollback) _smartckpt_rollback ;;
         export) _smartckpt_export ;;
+        plot) _smartckpt_plot ;;
         completions) _smartckpt_completions ;;
         bench) _smartckpt_bench ;;
         simulate) _smartckpt_simulate ;;
@@ -107,6 +109,22 @@ _smartckpt_export() {
     ':out:_files'
 }
 
+_smartckpt_plot() {
+  _arguments -s \
+    '(-o --output)'{-o,--output}'[Figure file - .png, .svg or .html (default run.png; with --json - none).]:o:_files' \
+    '--run[Only this run of smartckpt run (RUN_ID from <dir>/runs/).]:run: ' \
+    '--steps[Only steps A to B, inclusive (A - or  -B for an open end).]:steps: ' \
+    '--x[The x axis.]:x:(time step)' \
+    '--points[Pixel columns series are decimated to (0 - every row).]:points: ' \
+    '--dpi[PNG resolution - pixels per inch of a 12-inch-wide figure.]:dpi: ' \
+    '--json[Print the series, markers and spans as JSON (no matplotlib needed).]' \
+    '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
+    '--config[Settings file the run used, for max_interval, policy, threshold (default...]:config:_files' \
+    '--max-interval[The lost-work budget line, s (default - the settings'\'').]:max-interval: ' \
+    '(-h --help)'{-h,--help}'[Show this message and exit.]' \
+    ':directory:_files'
+}
+
 _smartckpt_completions() {
   _arguments -s \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
@@ -115,13 +133,17 @@ _smartckpt_completions() {
 
 _smartckpt_bench() {
   _arguments -s \
-    '--params[Model size in parameters (e.g. 1e8, 2.5e7).]:params: ' \
-    '--reps[Repetitions; each figure is their median.]:reps: ' \
+    '--device[cpu or cuda (default - cuda when torch sees a GPU, else cpu).]:device: ' \
+    '--params[Model size in parameters (default 1e8 on cpu, 4e8 = ~5 GB of state on cuda).]:params: ' \
+    '--reps[Repetitions of the one-save-at-a-time part.]:reps: ' \
+    '--every[Throughput part - seconds of training between saves.]:every: ' \
+    '--rounds[Throughput part - rotated rounds of all contenders (0 - skip it).]:rounds: ' \
+    '--batch[Training batch (default 8 on cpu, 4096 on cuda).]:batch: ' \
     '--precision[exact, bf16 or fp16 for smartckpt'\''s moments.]:precision: ' \
     '--level[zstd level for smartckpt (-1 - raw).]:level: ' \
     '--workers[Encoder threads (0 - min(8, 2 x CPUs)).]:workers: ' \
     '--workdir[Where to write (default - the temp dir).]:workdir:_files' \
-    '--json[Also write the results to this file.]:json:_files' \
+    '--json[Also write the results to this file (updated after each part).]:json:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]'
 }
 
@@ -139,6 +161,7 @@ _smartckpt_simulate() {
     '--rollback-at[When a rollback is decided - at a spike'\''s '\''end'\'' or its '\''onset'\''.]:rollback-at: ' \
     '--all-runs[Concatenate every run of a store, not just the newest.]' \
     '--json[Machine-readable output.]' \
+    '--plot[Also draw the trace with each policy'\''s checkpoints (.png, .svg or .html;...]:plot:_files' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':trace:_files'
 }

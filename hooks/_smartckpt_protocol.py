@@ -9,7 +9,10 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
 
 ``hooks.<pid>.json``     written by ``sitecustomize`` when it loads: proof the hooks are live.
 ``heartbeat.<pid>``      a fixed 64-byte record (:data:`HEARTBEAT`), rewritten in place at every
-                         optimizer step with one ``pwrite``: no allocation, no fsync, ~2 µs.
+                         optimizer step through a shared memory mapping of the file: no system
+                         call, no fsync (a ``pwrite`` per step, ~2 µs alone, cost several times
+                         that inside a training loop); ``pwrite`` where mapping fails. Readers
+                         see it through the page cache.
 ``error.<pid>.json``     the uncaught exception that ended the process (type, message, traceback),
                          so the supervisor can tell a SyntaxError from an NCCL timeout.
 ``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
@@ -19,6 +22,7 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import time
@@ -106,7 +110,7 @@ def read_json(path: str) -> dict[str, Any] | None:
 
 
 class HeartbeatWriter:
-    """Owned by the training process; ``beat`` is one ``pwrite`` of 64 bytes."""
+    """Owned by the training process; ``beat`` rewrites the 64-byte record in place."""
 
     def __init__(self, run_dir: str, rank: int = -1) -> None:
         self.path = heartbeat_path(run_dir, os.getpid())
@@ -117,6 +121,12 @@ class HeartbeatWriter:
         self.state = STARTING
         self.committed = -1
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._map: mmap.mmap | None = None
+        try:
+            os.pwrite(self._fd, b"\0" * HEARTBEAT_SIZE, 0)
+            self._map = mmap.mmap(self._fd, HEARTBEAT_SIZE)
+        except (OSError, ValueError):
+            self._map = None  # written with pwrite instead
         self.beat()
 
     def beat(
@@ -135,18 +145,22 @@ class HeartbeatWriter:
         if committed_step is not None:
             self.committed = committed_step
         self.seq += 1
-        record = HEARTBEAT.pack(
-            time.time(), self.step, self.loss, self.state, self.committed, self.rank, self.seq
-        )
+        fields = (time.time(), self.step, self.loss, self.state, self.committed, self.rank, self.seq)
+        if self._map is not None:
+            HEARTBEAT.pack_into(self._map, 0, *fields)
+            return
         try:
-            os.pwrite(self._fd, record.ljust(HEARTBEAT_SIZE, b"\0"), 0)
+            os.pwrite(self._fd, HEARTBEAT.pack(*fields).ljust(HEARTBEAT_SIZE, b"\0"), 0)
         except OSError:
             pass  # a full or vanished run directory must never stop training
 
     def close(self) -> None:
         try:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
             os.close(self._fd)
-        except OSError:
+        except (OSError, ValueError):
             pass
 
 

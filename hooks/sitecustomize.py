@@ -13,7 +13,7 @@ What it does, in order, and never more than once per process:
    ``threading.excepthook`` wrappers that write ``error.<pid>.json`` before handing on (a
    SyntaxError in the main script goes through ``sys.excepthook`` too), registers ``faulthandler``
    on SIGQUIT to dump every thread's stack into ``stacks.<pid>.txt``, and installs an import
-   watcher: once ``torch`` has been imported, ``smartckpt_cli.runtime.install_hooks()`` adds the
+   watcher: once ``torch`` has been imported, ``smartckpt_cli.agent.runtime.install_hooks()`` adds the
    global optimizer step hooks and the ``backward`` wrapper; once a Hugging Face or Lightning
    trainer module has been imported, ``smartckpt_cli.integrations.auto`` gives its Trainer
    smartckpt's callback. Nothing else happens until an
@@ -236,7 +236,7 @@ class _TorchWatcher:
 
 def _torch_loaded() -> None:
     try:
-        from smartckpt_cli import runtime
+        from smartckpt_cli.agent import runtime
 
         runtime.install_hooks()
     except Exception as err:

@@ -18,9 +18,9 @@ from typing import Any
 import yaml
 
 from smartckpt_cli.errors import ConfigError
-from smartckpt_cli.tiers import PRECISIONS, TierRule, parse_rules
+from smartckpt_cli.state.tiers import PRECISIONS, TierRule, parse_rules
 
-__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings"]
+__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings", "parse_every"]
 
 CONFIG_FILE = "smartckpt.yaml"
 ENV_PREFIX = "SMARTCKPT_"
@@ -46,7 +46,9 @@ class Settings:
     min_interval: float = 10.0  # seconds: the floor between a policy's own saves
     threshold: float = 0.65  # the seed policy's score threshold
     mtbf: float = 21600.0  # seconds between failures, for the Young/Daly interval
-    eval_every: int = 10  # steps between signal evaluations (one host sync each)
+    alarm_z: float = 6.0  # adaptive policy: robust z-score of a precursor that saves at once (inf: never)
+    memory_high: float = 0.9  # fraction of the memory ceiling that saves at a new high (0: memory signal off)
+    eval_every: int | None = None  # steps between signal evaluations; None: 10, more when steps are short
     loss_window: int = 5  # losses in the median filter
     preempt_signals: str = "TERM,USR1,USR2"  # take a blocking save at the next step, then...
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
@@ -92,13 +94,15 @@ class Settings:
             raise ConfigError(f"policy must be adaptive, seed or fixed, not {self.policy!r}")
         if self.min_interval < 0 or self.min_interval > self.max_interval:
             raise ConfigError("min_interval must be between 0 and max_interval")
-        if self.eval_every < 1 or self.loss_window < 1:
+        if (self.eval_every is not None and self.eval_every < 1) or self.loss_window < 1:
             raise ConfigError("eval_every and loss_window must be at least 1")
         if self.mtbf <= 0:
             raise ConfigError("mtbf must be positive")
+        if not self.alarm_z > 0:
+            raise ConfigError("alarm_z must be positive (inf turns precursor saves off)")
+        if not 0.0 <= self.memory_high <= 1.0:
+            raise ConfigError("memory_high must be between 0 (off) and 1")
         if self.every is not None:
-            from smartckpt_cli.runpolicy import parse_every
-
             try:
                 steps, seconds = parse_every(self.every)
             except ValueError as err:
@@ -248,3 +252,21 @@ _IGNORED_ENV = {
     "SMARTCKPT_HOOKS_DIR",
     "SMARTCKPT_HOOKS_LOADED",
 }
+
+
+def parse_every(text: str) -> tuple[int | None, float | None]:
+    """``50`` -> (50, None) steps; ``30s``/``5m``/``1h`` -> (None, seconds). ValueError if neither."""
+    t = text.strip().lower()
+    m = re.fullmatch(r"(\d+)(?:\s*steps?)?", t)
+    if m:
+        n = int(m.group(1))
+        if n < 1:
+            raise ValueError("a step interval must be at least 1")
+        return n, None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)", t)
+    if m:
+        sec = float(m.group(1)) * {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600}[m.group(2)]
+        if sec <= 0:
+            raise ValueError("a duration must be positive")
+        return None, sec
+    raise ValueError(f"expected steps (50) or a duration (30s, 5m, 1h), not {text!r}")

@@ -1,12 +1,22 @@
+"""Helpers shared by the tests: written once here, used by name."""
+
 from __future__ import annotations
 
 import os
+import random
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Deterministic cuBLAS for the CUDA tests: read when CUDA initialises, so set before any test runs
+# (harmless without a GPU).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.fixture
@@ -22,3 +32,47 @@ def child_env() -> dict[str, str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+def clean_env(mp: pytest.MonkeyPatch, cwd: Path) -> None:
+    """No stray ``SMARTCKPT_*`` settings, and ``cwd`` as the working directory. The fault
+    explorer's summary file is kept: its harness sets it around the whole run."""
+    for name in [n for n in os.environ if n.startswith("SMARTCKPT_") and n != "SMARTCKPT_FAULT_SUMMARY"]:
+        mp.delenv(name)
+    mp.chdir(cwd)
+
+
+@pytest.fixture
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A test that runs managers in this process: no stray settings, its own working directory,
+    and the RNG states ``restore()`` loads into the process put back afterwards."""
+    clean_env(monkeypatch, tmp_path)
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+@pytest.fixture(scope="session")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store written by the demo's training script: 30 steps, a checkpoint every 5, all six
+    kept (keep_last 10) so that prune and rollback have something to work on. Read-only: copy it
+    (``store_copy``) before changing it."""
+    from smartckpt_cli.ops.demo_train import main as train
+
+    path = tmp_path_factory.mktemp("demo-store") / "store"
+    with pytest.MonkeyPatch.context() as mp:
+        clean_env(mp, path.parent)
+        mp.setenv("SMARTCKPT_KEEP_LAST", "10")
+        assert train(["--dir", str(path), "--steps", "30", "--save-every", "5"]) == 0
+    return path
+
+
+@pytest.fixture
+def store_copy(demo_store: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    dst = tmp_path / "store"
+    shutil.copytree(demo_store, dst)
+    return dst

@@ -31,7 +31,9 @@ from smartckpt_cli import (
 )
 from smartckpt_cli.cli import app as cli_app
 from smartckpt_cli.errors import EXIT_ERROR, EXIT_USAGE
-from smartckpt_cli.journal import decode_line, encode_line
+from smartckpt_cli.store.journal import decode_line, encode_line
+
+pytestmark = pytest.mark.usefixtures("isolated")
 
 REPO = Path(__file__).resolve().parents[1]
 LOCKS = {"writer.lock", "journal.lock"}  # opening a store for writing may create these
@@ -67,17 +69,6 @@ def _assert_nothing_lost(
 
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    state = random.getstate(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    torch.set_rng_state(state[1])
 
 
 def _make_store(path: Path, model: torch.nn.Module | None = None) -> torch.nn.Module:
@@ -352,7 +343,7 @@ def _truncated_blob_store(base: Path) -> tuple[Path, str]:
         assert mgr.save(2, blocking=True).wait() is not None
     import json as _json
 
-    from smartckpt_cli.store_dir import open_store
+    from smartckpt_cli.store.directory import open_store
 
     rec = max(open_store(store).journal.read().live(), key=lambda r: r.position)
     manifest = _json.loads((store / rec.manifest).read_text())

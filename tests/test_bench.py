@@ -1,17 +1,23 @@
 """`smartckpt bench` as a user runs it, at a size the suite can afford: every figure measured,
-every ratio computed from them, smartckpt's checkpoint restorable and smaller than torch.save's,
-and nothing left behind in its work directory. Speed is the bench's job, not this test's."""
+every ratio computed from them, the throughput part consistent with itself, smartckpt's
+checkpoint restorable and smaller than torch.save's, and nothing left behind in its work
+directory. Speed is the bench's job, not this test's."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from smartckpt_cli.bench import RATIOS
+from smartckpt_cli.ops.bench import RATIOS
+from smartckpt_cli.ops.bench_throughput import CONTENDERS
 
 MEASURES = {
     "bound.copy",
@@ -19,6 +25,7 @@ MEASURES = {
     "torch.save+fsync",
     "torch.load+load_state_dict",
     "dcp.save",
+    "dcp.load",
     "dcp.async_save.blocking",
     "dcp.async_save.total",
     "smartckpt.blocking",
@@ -28,27 +35,44 @@ MEASURES = {
     "train_step",
     "train_step_with_lazy_save",
 }
+REPS, ROUNDS, EVERY = 2, 2, 0.3
 
 
-def test_bench_measures_every_contender_and_cleans_up(tmp_path: Path) -> None:
-    work, out = tmp_path / "work", tmp_path / "bench.json"
-    work.mkdir()
-    args = ["--params", "3e6", "--reps", "2", "--workdir", str(work), "--json", str(out)]
-    proc = subprocess.run(
+def _bench(*args: str, timeout: float = 540) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "smartckpt_cli.cli.app", "bench", *args],
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=timeout,
         check=False,
     )
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess[str]]:
+    tmp = tmp_path_factory.mktemp("bench")
+    work, out = tmp / "work", tmp / "bench.json"
+    work.mkdir()
+    proc = _bench(
+        "--device", "cpu", "--params", "3e6", "--reps", str(REPS), "--rounds", str(ROUNDS),
+        "--every", str(EVERY), "--workdir", str(work), "--json", str(out),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    res = json.loads(out.read_text())
-    assert res["reps"] == 2 and 2.5e6 < res["params"] < 3.5e6
-    assert set(res["median_seconds"]) == MEASURES
+    return json.loads(out.read_text()), work, proc
+
+
+def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
+    res, work, proc = bench_run
+    assert res["reps"] == REPS and 2.5e6 < res["params"] < 3.5e6
+    assert res["device"] == "cpu" and res["complete"] is True
+    assert res["parts_done"] == ["first-save", "throughput", "saves"]
+    assert "plain async_save" in res["dcp_async_staging"]  # on CPU: no pinned staging to pick
+    assert set(res["median_seconds"]) == MEASURES | {"smartckpt.first_lazy_loop_wait"}
     for name in MEASURES:
         samples = res["samples"][name]
-        assert len(samples) == 2 and all(s > 0 for s in samples), name
+        assert len(samples) == REPS and all(s > 0 for s in samples), name
+    assert len(res["samples"]["smartckpt.first_lazy_loop_wait"]) == 1
     assert set(res["ratios"]) == set(RATIOS)
     med = res["median_seconds"]
     for label, (a, b) in RATIOS.items():
@@ -56,16 +80,96 @@ def test_bench_measures_every_contender_and_cleans_up(tmp_path: Path) -> None:
     sizes = res["bytes_on_disk"]
     # Exact precision, compressed: the same state in fewer bytes than torch.save's pickle.
     assert 0 < sizes["smartckpt"] < sizes["torch.save"]
+    assert sizes["dcp.save"] > 0
     assert list(work.iterdir()) == [], "the bench left files in its work directory"
+    assert "training throughput, a save every 0.3 s" in proc.stdout
+
+
+def test_bench_throughput_figures_are_consistent(bench_run) -> None:
+    tp = bench_run[0]["throughput"]
+    assert tp["every_seconds"] == EVERY and tp["rounds"] == ROUNDS
+    assert set(tp["steps_per_second"]) == set(CONTENDERS)
+    for name in CONTENDERS:
+        sps, blocks = tp["steps_per_second"][name], tp["block_seconds"][name]
+        assert len(sps) == len(blocks) == ROUNDS, name
+        for r in range(ROUNDS):
+            # a block: one step, the save, then `every` seconds of training at least
+            assert blocks[r] >= EVERY, name
+            steps = sps[r] * blocks[r]
+            assert steps == pytest.approx(round(steps), abs=1e-6) and round(steps) >= 2, name
+            assert tp["ratio_vs_none"][name][r] == pytest.approx(sps[r] / tp["steps_per_second"]["none"][r])
+        assert tp["median_ratio_vs_none"][name] == pytest.approx(statistics.median(tp["ratio_vs_none"][name]))
+        # one save per block for every contender but `none`, each with what the loop waited
+        waits = tp["loop_wait_seconds"][name]
+        assert len(waits) == (0 if name == "none" else ROUNDS), name
+        assert all(w > 0 for w in waits), name
+        assert all(d >= 0 for d in tp["drain_seconds"][name])
+    assert tp["ratio_vs_none"]["none"] == [1.0] * ROUNDS
+    # every lazy save after the first, the throughput part's and the one-at-a-time part's
+    first = bench_run[0]["first_save"]
+    assert first["first_loop_wait"] > 0
+    assert len(first["later_loop_waits"]) == ROUNDS + REPS
+    assert first["ratio"] == pytest.approx(first["first_loop_wait"] / first["median_later_loop_wait"])
 
 
 def test_bench_refuses_bad_options_in_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "smartckpt_cli.cli.app", "bench", "--reps", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = _bench("--reps", "0", timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "--reps" in proc.stderr
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda"])
+def test_bench_refuses_a_device_it_cannot_use_in_one_line(tmp_path: Path, device: str) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: --device cuda is valid here")
+    proc = _bench("--device", device, "--json", str(tmp_path / "b.json"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("smartckpt: error: --device"), proc.stderr
+    assert (device == "cuda") == ("no CUDA device" in lines[0])
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_stopped_by_sigterm_keeps_its_finished_parts_and_cleans_up(tmp_path: Path) -> None:
+    """A time limit's SIGTERM (the GPU check runs the bench under `timeout`): the JSON written
+    after the first part stays, the checkpoints the bench wrote are removed."""
+    work, out = tmp_path / "work", tmp_path / "bench.json"
+    work.mkdir()
+    args = ["--device", "cpu", "--params", "3e6", "--every", "30", "--workdir", str(work), "--json", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "bench", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # one line per part when the output is not a terminal
+            if "throughput, round 1" in line:
+                break
+        else:
+            pytest.fail(f"the bench ended early: {proc.wait()} {proc.stderr.read() if proc.stderr else ''}")
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    res = json.loads(out.read_text())
+    assert res["parts_done"] == ["first-save"] and res["complete"] is False
+    assert res["samples"]["smartckpt.first_lazy_loop_wait"][0] > 0
+    assert list(work.iterdir()) == [], "the bench left files in its work directory"
+    assert not out.with_name(out.name + ".tmp").exists()
+
+
+def test_gpu_check_runs_every_file_with_cuda_tests():
+    """benchmarks/gpu_check.sh names the test files it runs on a GPU: a file with tests marked
+    cuda that it does not name would never run anywhere."""
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "benchmarks" / "gpu_check.sh").read_text()
+    # the mark as code (a decorator, a parametrize mark, a pytestmark list), not inside a string
+    used = re.compile(r"(?<![\"'])\bpytest\.mark\.cuda\b")
+    marked = {p.name for p in (root / "tests").glob("test_*.py") if used.search(p.read_text())}
+    assert marked, "no CUDA tests found"
+    for name in marked:
+        assert f"tests/{name}" in script, f"{name} has CUDA tests that gpu_check.sh does not run"

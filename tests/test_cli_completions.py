@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from smartckpt_cli.cli.app import app
-from smartckpt_cli.completions import SHELLS, collect, render
+from smartckpt_cli.cli.completion_scripts import SHELLS, collect, render
 
 DIR = Path(__file__).resolve().parents[1] / "completions"
 REGEN = "for s in bash zsh fish; do smartckpt completions $s > completions/smartckpt.$s; done"

@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from smartckpt_cli._demo_train import build
-from smartckpt_cli._demo_train import main as train
 from smartckpt_cli.cli.app import app
+from smartckpt_cli.ops.demo_train import build
+from smartckpt_cli.ops.demo_train import main as train
 
 runner = CliRunner()
 

@@ -10,38 +10,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from smartckpt_cli.cli.app import app
-from smartckpt_cli.journal import encode_line
-from smartckpt_cli.store_dir import open_store
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.journal import encode_line
 
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from smartckpt_cli._demo_train import main as train
-
-    path = tmp_path_factory.mktemp("pristine") / "store"
-    # keep_last 10 so that all six checkpoints stay on disk for prune and rollback to work on.
-    os.environ["SMARTCKPT_KEEP_LAST"] = "10"
-    try:
-        assert train(["--dir", str(path), "--steps", "30", "--save-every", "5"]) == 0
-    finally:
-        del os.environ["SMARTCKPT_KEEP_LAST"]
-    return path
-
-
 @pytest.fixture
-def store(pristine: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "store"
-    shutil.copytree(pristine, dst)
-    return dst
+def store(store_copy: Path) -> Path:
+    """A writable copy of the demo store (conftest.py): six checkpoints, steps 5..30."""
+    return store_copy
 
 
 def _json(args: list[str]) -> dict:
@@ -163,7 +147,7 @@ def test_verify_names_each_corrupt_checkpoint_and_the_fault(store: Path) -> None
 def test_verify_undecodable_chunk(store: Path) -> None:
     """A blob whose name matches its bytes but which does not decode: a bad frame written
     under its own hash (what a buggy or foreign writer could leave)."""
-    from smartckpt_cli import codec
+    from smartckpt_cli.store import codec
 
     m30 = _manifest(store, 30)
     key = "model/0.weight"
@@ -183,8 +167,8 @@ def test_verify_undecodable_chunk(store: Path) -> None:
 def _rewrite_manifest(store: Path, step: int, manifest: dict) -> None:
     """Replace a manifest and re-commit it (a new commit line with the new hash), so only the
     chunk check can find the fault."""
-    from smartckpt_cli import codec
-    from smartckpt_cli.journal import encode_manifest
+    from smartckpt_cli.store import codec
+    from smartckpt_cli.store.journal import encode_manifest
 
     st = open_store(store)
     rec = next(r for r in st.journal.read().records if r.step == step and not r.pruned)
@@ -302,7 +286,7 @@ def test_rollback_to_prev_to_step_and_undo(store: Path) -> None:
 
 def test_rollback_is_what_the_next_resume_loads(store: Path) -> None:
     from smartckpt_cli import CheckpointManager
-    from smartckpt_cli._demo_train import build
+    from smartckpt_cli.ops.demo_train import build
 
     assert runner.invoke(app, ["rollback", str(store), "--to", "20"]).exit_code == 0
     model, opt, sched, loader = build()

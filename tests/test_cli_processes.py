@@ -32,22 +32,9 @@ def _run(args: list[str], env: dict[str, str], **kw: object) -> subprocess.Compl
     return subprocess.run([*APP, *args], capture_output=True, text=True, env=env, timeout=180, **kw)  # type: ignore[call-overload]
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from smartckpt_cli._demo_train import main as train
-
-    path = tmp_path_factory.mktemp("procs") / "store"
-    os.environ["SMARTCKPT_KEEP_LAST"] = "10"
-    try:
-        assert train(["--dir", str(path), "--steps", "30", "--save-every", "5"]) == 0
-    finally:
-        del os.environ["SMARTCKPT_KEEP_LAST"]
-    return path
-
-
-def test_each_command_as_a_process(pristine: Path, tmp_path: Path, child_env: dict[str, str]) -> None:
+def test_each_command_as_a_process(demo_store: Path, tmp_path: Path, child_env: dict[str, str]) -> None:
     store = tmp_path / "store"
-    shutil.copytree(pristine, store)
+    shutil.copytree(demo_store, store)
     # Independent read-only commands run concurrently (each process imports torch: seconds).
     jobs = {
         "inspect": ["inspect", str(store), "--json"],
@@ -112,7 +99,7 @@ def test_commands_while_a_training_process_writes(tmp_path: Path, child_env: dic
     # The run's own retention keeps 8: the commands' prune --keep 2 does most of the pruning.
     env = {**child_env, "SMARTCKPT_KEEP_LAST": "8"}
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "smartckpt_cli._demo_train", "--dir", str(store), *TRAIN_ARGS],
+        [sys.executable, "-m", "smartckpt_cli.ops.demo_train", "--dir", str(store), *TRAIN_ARGS],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -168,7 +155,15 @@ def test_commands_while_a_training_process_writes(tmp_path: Path, child_env: dic
     last = max(int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step "))
     assert newest == last, "the preemption save is the newest checkpoint"
     resume = subprocess.run(
-        [sys.executable, "-m", "smartckpt_cli._demo_train", "--dir", str(store), "--steps", str(newest + 3)],
+        [
+            sys.executable,
+            "-m",
+            "smartckpt_cli.ops.demo_train",
+            "--dir",
+            str(store),
+            "--steps",
+            str(newest + 3),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -177,13 +172,16 @@ def test_commands_while_a_training_process_writes(tmp_path: Path, child_env: dic
     assert resume.returncode == 0 and f"restored step {newest}" in resume.stdout, resume.stderr
 
 
-def test_verify_shows_a_progress_bar_only_on_a_terminal(pristine: Path, child_env: dict[str, str]) -> None:
+def test_verify_shows_a_progress_bar_only_on_a_terminal(demo_store: Path, child_env: dict[str, str]) -> None:
     import pty
 
     master, slave = pty.openpty()
     env = {**child_env, "TERM": "xterm", "COLUMNS": "100"}
     proc = subprocess.Popen(
-        [*APP, "verify", str(pristine), "--all", "--no-record"], stdout=subprocess.PIPE, stderr=slave, env=env
+        [*APP, "verify", str(demo_store), "--all", "--no-record"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
     )
     os.close(slave)
     chunks = []
@@ -201,5 +199,5 @@ def test_verify_shows_a_progress_bar_only_on_a_terminal(pristine: Path, child_en
     assert proc.returncode == 0
     assert "verifying" in tty and "checked" in tty, tty
     assert out.decode().count(": ok") == 6  # stdout (a pipe) gets the plain lines only
-    piped = _run(["verify", str(pristine), "--all", "--no-record"], child_env)
+    piped = _run(["verify", str(demo_store), "--all", "--no-record"], child_env)
     assert piped.returncode == 0 and piped.stderr == ""

@@ -11,24 +11,25 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from smartckpt_cli import CheckpointManager, NoCheckpointError
 from smartckpt_cli.cli.app import app
-from smartckpt_cli.journal import Journal, decode_line, encode_line
-from smartckpt_cli.storage.local import LocalStorage
-from smartckpt_cli.store_dir import open_store
-from smartckpt_cli.verify import verify_store
+from smartckpt_cli.ops.verify import verify_store
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.journal import Journal, decode_line, encode_line
+from smartckpt_cli.store.storage.local import LocalStorage
+from tests.conftest import clean_env
+
+pytestmark = pytest.mark.usefixtures("isolated")
 
 LR = {1: 1e-3, 2: 5e-4}  # lr differs per checkpoint: proves which param_groups were loaded
 
@@ -73,7 +74,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
     path = tmp_path_factory.mktemp("corruption") / "store"
     refs: dict[int, dict[str, Any]] = {}
     with pytest.MonkeyPatch.context() as mp:
-        _clean_env(mp, path.parent)
+        clean_env(mp, path.parent)
         torch.manual_seed(0)
         model, opt = _build()
         with CheckpointManager(path, keep_last=5, chunk_mb=1) as mgr:
@@ -89,25 +90,6 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
                 }
                 assert mgr.save(step, blocking=True).wait() is not None, mgr.failures
     return Pristine(path, refs)
-
-
-def _clean_env(mp: pytest.MonkeyPatch, cwd: Path) -> None:
-    import os
-
-    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
-        mp.delenv(name)
-    mp.chdir(cwd)
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """No stray settings; restore() loads RNG state into this process: put it back afterwards."""
-    _clean_env(monkeypatch, tmp_path)
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 @pytest.fixture
@@ -208,7 +190,7 @@ def test_flipped_byte_in_newest_blob_falls_back(
         for where in ((0.5, 0.0, 1.0)[n % 3],):  # middle, first or last byte
             _flip_byte(path, where)
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="smartckpt_cli.manager"):
+            with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
                 step, model, opt = _restore(store)
             assert step == 1, f"corrupt blob {bid} of {key} was not detected"
             assert any("step 2" in r.getMessage() and bid in r.getMessage() for r in caplog.records), [
@@ -229,7 +211,7 @@ def test_flipped_byte_in_newest_manifest_falls_back(
 ) -> None:
     rec = next(r for r in _records(store) if r.step == 2)
     _flip_byte(store / rec.manifest, where)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
         step, model, opt = _restore(store)
     assert step == 1
     assert any(f"step 2: manifest {rec.manifest}" in r.getMessage() for r in caplog.records)
@@ -247,7 +229,7 @@ def test_plausible_edit_of_newest_manifest_is_caught_by_its_hash(
     data = path.read_bytes()
     assert data.count(b'"lr":0.0005,') == 1
     path.write_bytes(data.replace(b'"lr":0.0005,', b'"lr":0.0006,'))
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
         step, model, opt = _restore(store)
     assert step == 1
     _assert_model(model, pristine.refs[1])
@@ -317,7 +299,7 @@ def test_torn_last_journal_line_is_skipped_with_a_warning(
     store: Path, pristine: Pristine, caplog: pytest.LogCaptureFixture
 ) -> None:
     torn = _append_torn_commit(store)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.journal"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.store.journal"):
         step, model, opt = _restore(store)
     assert step == 2
     _assert_model(model, pristine.refs[2])
@@ -325,7 +307,7 @@ def test_torn_last_journal_line_is_skipped_with_a_warning(
     warnings = [
         r.getMessage()
         for r in caplog.records
-        if r.name == "smartckpt_cli.journal" and r.levelno == logging.WARNING
+        if r.name == "smartckpt_cli.store.journal" and r.levelno == logging.WARNING
     ]
     assert warnings and all("torn last line" in w for w in warnings), warnings
 
@@ -382,7 +364,7 @@ def test_corrupt_l2_falls_back_by_default(
     store: Path, pristine: Pristine, caplog: pytest.LogCaptureFixture
 ) -> None:
     bid = _corrupt_l2_only_blob(store)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
         step, model, opt = _restore(store)
     assert step == 1
     assert any("L2" in r.getMessage() and bid in r.getMessage() for r in caplog.records)
@@ -394,7 +376,7 @@ def test_corrupt_l2_with_reset_keeps_newest_weights_and_restarts_moments(
     store: Path, pristine: Pristine, caplog: pytest.LogCaptureFixture
 ) -> None:
     _corrupt_l2_only_blob(store)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
         step, model, opt = _restore(store, on_l2_corrupt="reset")
     assert step == 2
     _assert_model(model, pristine.refs[2])

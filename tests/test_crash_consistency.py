@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from smartckpt_cli import CheckpointManager
-from smartckpt_cli.journal import Journal
-from smartckpt_cli.storage.local import LocalStorage
-from smartckpt_cli.verify import verify_store
+from smartckpt_cli.ops.verify import verify_store
+from smartckpt_cli.store.journal import Journal
+from smartckpt_cli.store.storage.local import LocalStorage
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -299,7 +299,7 @@ def test_probe_run_is_clean(runs: dict[str, Run]) -> None:
 
 
 def _open_store_readonly(path: Path):
-    from smartckpt_cli.store_dir import open_store
+    from smartckpt_cli.store.directory import open_store
 
     return open_store(path)
 

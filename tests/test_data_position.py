@@ -90,3 +90,15 @@ def test_unseeded_shuffling_warns_at_registration(tmp_path, caplog):
     with sc.CheckpointManager(tmp_path) as mgr:
         mgr.register(data=loader)
     assert "without a seeded generator" in caplog.text
+
+
+def test_a_loader_registered_twice_is_tracked_once(tmp_path):
+    """Two managers in one process (a user's and an integration's, say) see the same loader: its
+    batches are counted once, so a resume skips exactly what was consumed."""
+    loader = DataLoader(_ds(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with sc.CheckpointManager(tmp_path / "a") as a, sc.CheckpointManager(tmp_path / "b") as b:
+        a.register(data=loader)
+        b.register(data=loader)
+        assert a.registered("data") is b.registered("data")
+        _consume(loader, 3)
+        assert (a.registered("data").epochs, a.registered("data").batches) == (1, 3)

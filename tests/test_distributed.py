@@ -216,8 +216,51 @@ def test_zero_code_ddp_under_smartckpt_run_resumes_bit_exact(tmp_path, child_env
     )
 
 
+def test_a_signal_to_one_rank_makes_every_rank_save_at_the_same_step(tmp_path, child_env_module):
+    """SIGTERM reaches rank 1 only. Ranks agree every few steps (decision steps, cadence.py), so
+    the signal travels with the next agreement: both ranks take the blocking save of one step,
+    commit it, and die by SIGTERM; a rerun resumes both from it and ends bit-exactly where an
+    uninterrupted run ends."""
+    total, at = 60, 15
+    ref_args = [
+        "--dir",
+        "ref",
+        "--every",
+        "1000",
+        "--total",
+        str(total),
+        "--step-time",
+        "0.01",
+        "--out",
+        "ref",
+    ]
+    rc, out = _torchrun(ref_args, tmp_path, child_env_module)
+    assert rc == 0, out
+    args = ["--dir", "ck", "--every", "1000", "--total", str(total), "--step-time", "0.02", "--out", "final"]
+    rc, out = _torchrun([*args, "--signal-at", str(at), "--signal-rank", "1"], tmp_path, child_env_module)
+    assert rc != 0, out
+    commits = [e for e in _events(tmp_path / "ck" / "journal.jsonl") if e["event"] == "commit"]
+    assert len(commits) == 1 and commits[0]["reason"] == "preemption (SIGTERM)", commits
+    saved = commits[0]["step"]
+    assert commits[0]["world_size"] == 2 and len(commits[0]["parts"]) == 2
+    # at most a second of 20 ms steps (one decision gap) after the signal, no rank stepped past it
+    assert at < saved <= at + 51, (at, saved)
+    for r in (0, 1):
+        assert f"rank {r} step {saved - 1} " in out and f"rank {r} step {saved} " not in out, out
+    rc, out = _torchrun(args, tmp_path, child_env_module)
+    assert rc == 0, out
+    assert f"rank 0 start {saved}" in out and f"rank 1 start {saved}" in out, out
+    _same(_final(tmp_path, "final"), _final(tmp_path, "ref"))
+
+
 def test_ownership_and_naming_rules():
-    from smartckpt_cli.distributed import dir_leaders, entry_owner, part_rel, record_manifests, world_mismatch
+    from smartckpt_cli.engine.distributed import (
+        dir_leaders,
+        entry_owner,
+        part_rel,
+        record_manifests,
+        world_mismatch,
+    )
 
     digests = [{"w": "a", "rng": "r0"}, {"w": "a", "rng": "r1"}, {"w": "a", "rng": "r0"}]
     # one shared disk: the replicated weight is rank 0's; rank 1's own RNG is its own

@@ -51,7 +51,7 @@ def test_demo_command_kills_resumes_and_matches(tmp_path, child_env):
 
 
 def test_inspect_and_verify_on_a_demo_store(tmp_path, child_env):
-    from smartckpt_cli._demo_train import main as train
+    from smartckpt_cli.ops.demo_train import main as train
 
     assert train(["--dir", str(tmp_path), "--steps", "20", "--save-every", "5"]) == 0
     app = [sys.executable, "-m", "smartckpt_cli.cli.app"]

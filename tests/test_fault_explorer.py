@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-import smartckpt_cli.storage.local as local
+import smartckpt_cli.store.storage.local as local
 from smartckpt_cli import CheckpointManager
+from smartckpt_cli.engine.restore import candidates, load_checkpoint
 from smartckpt_cli.errors import CheckpointCorrupt
-from smartckpt_cli.restore import candidates, load_checkpoint
-from smartckpt_cli.storage.local import LocalStorage, PendingWrite
-from smartckpt_cli.store_dir import open_store
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.storage.local import LocalStorage, PendingWrite
 from tests.faults.explorer import Recorder, clear_files, crash_states, materialise, read_tree
+
+pytestmark = pytest.mark.usefixtures("isolated")
 
 FULL_EVERY = 10  # one crash state in ten is restored through CheckpointManager itself
 
@@ -185,18 +185,6 @@ def explore(tmp: Path, *, plant: bool = False, stop_after_wrong: int | None = No
     shutil.rmtree(scratch, ignore_errors=True)
     counts["failures"] = failures[:5]
     return counts
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    for name in [n for n in os.environ if n.startswith("SMARTCKPT_") and n != "SMARTCKPT_FAULT_SUMMARY"]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 def test_every_crash_state_restores_the_newest_durable_commit(tmp_path: Path) -> None:

@@ -19,15 +19,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from smartckpt_cli import CheckpointManager
+from smartckpt_cli.engine.restore import candidates, load_checkpoint
 from smartckpt_cli.errors import CheckpointCorrupt, JournalError, NoCheckpointError
-from smartckpt_cli.restore import candidates, load_checkpoint
-from smartckpt_cli.store_dir import open_store
+from smartckpt_cli.store.directory import open_store
 from tests.faults.explorer import clear_files, materialise, read_tree
+
+pytestmark = pytest.mark.usefixtures("isolated")
 
 CASES = 1200
 FULL_EVERY = 10  # one case in ten restores through CheckpointManager itself
@@ -160,18 +161,6 @@ def _same(now: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> bool:
         now[k].dtype == v.dtype and now[k].contiguous().numpy().tobytes() == v.contiguous().numpy().tobytes()
         for k, v in ref.items()
     )
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 def test_media_faults_never_load_corrupt_data(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -19,12 +18,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from smartckpt_cli import CheckpointManager
 from smartckpt_cli.errors import StoreLockedError
+
+pytestmark = pytest.mark.usefixtures("isolated")
 
 STEPS = (1, 2, 3)
 
@@ -54,18 +54,6 @@ def _manifest_of(path: Path, step: int) -> tuple[Path, list[Path]]:
     man = json.loads(rel.read_bytes())
     blobs = [path / "blobs" / c[0][:2] / c[0] for e in man["entries"].values() for c in e["data"]["chunks"]]
     return rel, blobs
-
-
-@pytest.fixture(autouse=True)
-def _isolate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 CHILD = textwrap.dedent(

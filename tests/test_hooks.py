@@ -1,4 +1,4 @@
-"""The injected hooks (hooks/sitecustomize.py, smartckpt_cli/runtime.py) in real child processes,
+"""The injected hooks (hooks/sitecustomize.py, smartckpt_cli/agent/runtime.py) in real child processes,
 started with the environment ``smartckpt run`` gives them: the hooks directory first on PYTHONPATH,
 SMARTCKPT_RUN_DIR, SMARTCKPT_DIR, SMARTCKPT_EVERY_STEPS."""
 
@@ -384,7 +384,7 @@ def test_script_with_its_own_manager_is_not_instrumented_twice(tmp_path, python,
     args = [
         python,
         "-m",
-        "smartckpt_cli._demo_train",
+        "smartckpt_cli.ops.demo_train",
         "--dir",
         str(store),
         "--steps",

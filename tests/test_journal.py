@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from smartckpt_cli.errors import JournalError
-from smartckpt_cli.journal import Journal, decode_line, encode_line, fold
-from smartckpt_cli.storage import LocalStorage
+from smartckpt_cli.store.journal import Journal, decode_line, encode_line, fold
+from smartckpt_cli.store.storage import LocalStorage
 
 
 def _journal(tmp_path) -> Journal:

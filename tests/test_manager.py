@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import smartckpt_cli as sc
-from smartckpt_cli.journal import Journal
-from smartckpt_cli.storage import LocalStorage
+from smartckpt_cli.store.journal import Journal
+from smartckpt_cli.store.storage import LocalStorage
 
 
 def _model(seed=0, width=256):
@@ -61,7 +61,7 @@ def test_retention_keeps_last_n_and_collects_garbage(tmp_path):
         "000000000005",
     ]
     # Every remaining blob is referenced by one of the two remaining manifests.
-    from smartckpt_cli.retention import _manifest_blobs
+    from smartckpt_cli.store.retention import _manifest_blobs
 
     referenced = set().union(*(_manifest_blobs(LocalStorage(tmp_path), r.manifest) for r in state.live()))
     on_disk = {f.name for f in (tmp_path / "blobs").rglob("*") if f.is_file()}

@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import smartckpt_cli as sc
-from smartckpt_cli.signals import SignalReading, Signals
 from smartckpt_cli.simulate import SimConfig, TraceRow, replay
-from smartckpt_cli.store_dir import open_store
-from smartckpt_cli.trigger import AdaptivePolicy, Bounded, TriggerContext
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.trigger.policies import AdaptivePolicy, Bounded, TriggerContext
+from smartckpt_cli.trigger.signals import SignalReading, Signals
 
 JOLT = 30  # the step whose learning rate is multiplied by 400
 

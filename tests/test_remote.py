@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from smartckpt_cli import CheckpointManager
-from smartckpt_cli._demo_train import build
+from smartckpt_cli.ops.demo_train import build
 from smartckpt_cli.remote.backend import open_remote
 from smartckpt_cli.remote.check import STATUS_FILE
 from smartckpt_cli.remote.rjournal import RemoteJournal
-from smartckpt_cli.store_dir import open_store
+from smartckpt_cli.store.directory import open_store
 from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
 from tests._state import assert_same_state
 
@@ -63,7 +63,7 @@ def _train(
     python: str, store: Path, steps: int, out: Path, *, every: int = 7, step_time: float = 0.0
 ) -> list[str]:
     return [
-        python, "-m", "smartckpt_cli._demo_train", "--dir", str(store), "--steps", str(steps),
+        python, "-m", "smartckpt_cli.ops.demo_train", "--dir", str(store), "--steps", str(steps),
         "--save-every", str(every), "--out", str(out), "--step-time", str(step_time),
     ]  # fmt: skip
 

@@ -9,12 +9,12 @@ import pytest
 
 from smartckpt_cli.config import load_settings
 from smartckpt_cli.errors import ConfigError
-from smartckpt_cli.journal import CheckpointRecord, JournalState
 from smartckpt_cli.remote.backend import DirRemote, Limiter, display_url, open_remote
 from smartckpt_cli.remote.check import upload_lag
 from smartckpt_cli.remote.fetch import restore_order
 from smartckpt_cli.remote.replicator import plan_round
 from smartckpt_cli.remote.rjournal import JOURNAL_DIR, RemoteJournal, object_name, parse_name
+from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 
 
 def rec(step: int, pos: int, cid: str | None = None, **kw: object) -> CheckpointRecord:
@@ -113,7 +113,7 @@ def test_display_url_strips_credentials():
 
 
 def test_config_show_never_prints_a_secret_in_the_url():
-    from smartckpt_cli.config_report import effective_settings
+    from smartckpt_cli.ops.config_report import effective_settings
 
     rows, _ = effective_settings(None, {"remote": "s3://AKIA:verysecret@bucket/p"}, env={})
     shown = {r.key: r.value for r in rows}

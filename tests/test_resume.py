@@ -23,7 +23,7 @@ STEPS = 48
 
 def _cmd(python: str, store, out, precision: str = "exact") -> list[str]:
     return [
-        python, "-m", "smartckpt_cli._demo_train", "--dir", str(store), "--steps", str(STEPS),
+        python, "-m", "smartckpt_cli.ops.demo_train", "--dir", str(store), "--steps", str(STEPS),
         "--save-every", "7", "--out", str(out), "--precision", precision, "--step-time", "0.02",
     ]  # fmt: skip
 

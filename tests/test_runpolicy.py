@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from smartckpt_cli.runpolicy import (
+from smartckpt_cli.config import parse_every
+from smartckpt_cli.supervise.policy import (
     BACKOFF_CAP,
     FIRST_STEP_TIMEOUT,
     HANG_FLOOR,
@@ -19,7 +20,6 @@ from smartckpt_cli.runpolicy import (
     estimate_mtbf,
     exit_status,
     learned_timeout,
-    parse_every,
 )
 
 

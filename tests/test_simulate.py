@@ -31,8 +31,8 @@ from smartckpt_cli.simulate import (
     retained_before,
     simulate,
 )
-from smartckpt_cli.tracefile import COLUMNS
-from smartckpt_cli.trigger import Bounded, FixedPolicy
+from smartckpt_cli.trigger.policies import Bounded, FixedPolicy
+from smartckpt_cli.trigger.trace import COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,7 +248,7 @@ def test_cli_process(tmp_path, child_env):
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert (
         proc.stderr
-        == f"smartckpt: error: {bad} is not a smartckpt trace: no column step, time, loss, curvature, grad_var (expected step,time,loss,curvature,grad_var,update,score,decision)\n"
+        == f"smartckpt: error: {bad} is not a smartckpt trace: no column step, time, loss, curvature, grad_var (expected step,time,loss,curvature,grad_var,update,memory,score,decision)\n"
     )
 
 

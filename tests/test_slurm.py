@@ -1,4 +1,4 @@
-"""smartckpt_cli.slurm, and preemption + requeue under a real single-node SLURM.
+"""smartckpt_cli.supervise.slurm, and preemption + requeue under a real single-node SLURM.
 
 The pure parts (job, attempt and requeue target from the environment) are tested directly;
 ``requeue`` against stand-in ``scontrol`` programs for its error lines; then, under the real
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from smartckpt_cli.errors import SmartckptError
-from smartckpt_cli.slurm import (
+from smartckpt_cli.supervise.slurm import (
     SlurmError,
     SlurmJob,
     in_slurm_job,
@@ -294,7 +294,7 @@ def test_trap_script_requeues_through_slurm_module(
     slurm_env: dict[str, str], reference_hash: str, tmp_path: Path
 ) -> None:
     """No supervisor: the batch script forwards USR1 to train.py (explicit CheckpointManager),
-    which saves and exits; the script calls smartckpt_cli.slurm.requeue(); the job runs again
+    which saves and exits; the script calls smartckpt_cli.supervise.slurm.requeue(); the job runs again
     with SLURM_RESTART_COUNT=1 and finishes from the checkpoint."""
     out = tmp_path / "job.out"
     env = dict(

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.journal import Journal
-from smartckpt_cli.storage.local import LocalStorage
+from smartckpt_cli.store.journal import Journal
+from smartckpt_cli.store.storage.local import LocalStorage
 from tests._state import assert_same_state
 
 pytestmark = pytest.mark.slow
@@ -248,18 +248,22 @@ def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp
 ZERO_CODE = ROOT / "tests" / "scripts" / "zero_code_train.py"
 
 
-def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, child_env):
-    """The front door: a plain loop with only start_step(), no CheckpointManager in the script."""
+@pytest.mark.parametrize("flags", [(), ("--fp8",)], ids=["plain", "float8-buffers"])
+def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, child_env, flags):
+    """The front door: a plain loop with only start_step(), no CheckpointManager in the script.
+    With ``--fp8`` the model also holds float8 buffers (amax history, scale) that every step
+    updates: every save must commit (a health check that cannot read float8 would fail them all)
+    and the resume must carry them bit for bit."""
     ref = tmp_path / "ref"
     ref.mkdir()
     subprocess.run(
-        [sys.executable, str(ZERO_CODE), "--total", str(TOTAL), "--out", str(ref / "final.pt")],
+        [sys.executable, str(ZERO_CODE), "--total", str(TOTAL), "--out", str(ref / "final.pt"), *flags],
         env=child_env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    kill_at = random.Random(time.time_ns()).randrange(3, TOTAL - 2)
+    kill_at = random.Random(time.time_ns()).randrange(11, TOTAL - 2)  # step 5 committed by then
     rc, out = _run(
         ["--dir", "ck", "--every", "5", str(ZERO_CODE), "--total", str(TOTAL), "--kill-at", str(kill_at),
-         "--out", "final.pt"],
+         "--out", "final.pt", *flags],
         tmp_path, _env(child_env),
     )  # fmt: skip
     assert rc == 0, out
@@ -268,13 +272,19 @@ def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, c
     first = rec["attempts"][0]
     assert rec["restarts"] == 1 and first["max_step"] == kill_at, out
     assert f"start {first['restart_from']}" in out
+    assert first["restart_from"] > 0  # the killed attempt committed checkpoints
+    journal = [json.loads(ln) for ln in (tmp_path / "ck" / "journal.jsonl").read_text().splitlines()]
+    assert not [r for r in journal if r["event"] == "save_failed"]
+    assert [r["health"] for r in journal if r["event"] == "commit"] == ["ok"] * sum(
+        r["event"] == "commit" for r in journal
+    )
     assert_same_state(
         torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
     )
 
 
 def test_monitor_samples_a_real_process_tree():
-    from smartckpt_cli.monitor import GpuMonitor, TreeMonitor
+    from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor
 
     child = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time; "
@@ -305,7 +315,7 @@ def test_panel_and_status_line_render():
     from rich.console import Console
 
     from smartckpt_cli.cli.run import _panel, _status
-    from smartckpt_cli.supervisor import RunState
+    from smartckpt_cli.supervise.supervisor import RunState
 
     st = RunState(run_id="r1", command="python train.py", step=120, loss=0.25, heartbeat=True,
                   child_state="training", checkpoint_step=100, checkpoint_seen=time.time() - 5, restarts=2)  # fmt: skip

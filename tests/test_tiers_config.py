@@ -5,8 +5,8 @@ import torch
 
 from smartckpt_cli.config import load_settings
 from smartckpt_cli.errors import ConfigError, UnsupportedValueError
-from smartckpt_cli.statetree import flatten, unflatten
-from smartckpt_cli.tiers import classify, parse_rules
+from smartckpt_cli.state.tiers import classify, parse_rules
+from smartckpt_cli.state.tree import flatten, unflatten
 
 
 def _tiers_of(model, opt) -> dict[str, str]:

@@ -9,10 +9,9 @@ import torch
 
 import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
-from smartckpt_cli.journal import CheckpointRecord
-from smartckpt_cli.retention import select_prunable
-from smartckpt_cli.signals import SignalReading, Signals, curvature
-from smartckpt_cli.trigger import (
+from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.retention import select_prunable
+from smartckpt_cli.trigger.policies import (
     AdaptivePolicy,
     Bounded,
     Decision,
@@ -22,6 +21,7 @@ from smartckpt_cli.trigger import (
     seed_score,
     young_daly,
 )
+from smartckpt_cli.trigger.signals import SignalReading, Signals, curvature
 
 
 def _sig(x):
@@ -289,7 +289,7 @@ def test_trace_and_manifest_record_the_signals(tmp_path):
             mgr.step(step, loss=loss)
     (trace,) = (tmp_path / "traces").iterdir()
     lines = trace.read_text().splitlines()
-    assert lines[0] == "step,time,loss,curvature,grad_var,update,score,decision"
+    assert lines[0] == "step,time,loss,curvature,grad_var,update,memory,score,decision"
     assert [int(ln.split(",")[0]) for ln in lines[1:]] == list(range(5, 41, 5))
     assert all(float(ln.split(",")[4]) > 0 for ln in lines[1:])  # gradient variance measured
     assert all(float(ln.split(",")[5]) > 0 for ln in lines[1:])  # and the planned update

@@ -4,7 +4,7 @@ state that DDP replicates is written once, each rank's RNG and data position by 
 commits a checkpoint only when every rank's part is durable. Restart it and all ranks resume
 from the newest step that every rank can load.
 
-Multi-rank support lives in ``smartckpt_cli.distributed``; this example needs it.
+Multi-rank support lives in ``smartckpt_cli.engine.distributed``; this example needs it.
 
     torchrun --standalone --nproc_per_node 2 examples/ddp/train.py --dir ./checkpoints --steps 200
     smartckpt run --dir ./checkpoints -- torchrun --standalone --nproc_per_node 2 examples/ddp/train.py --steps 200

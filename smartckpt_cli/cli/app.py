@@ -6,18 +6,20 @@ Exit codes: 0 success, 1 the operation failed (a corrupt or missing checkpoint),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from smartckpt_cli.cli import completions, config_cmd, export, inspect_cmd, prune, rollback, verify
+from smartckpt_cli.cli import completions, config_cmd, export, inspect_cmd, plot, prune, rollback, verify
 from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
 
 app = typer.Typer(
@@ -61,42 +63,84 @@ app.command("verify")(verify.verify)
 app.command("prune")(prune.prune)
 app.command("rollback")(rollback.rollback)
 app.command("export")(export.export)
+app.command("plot")(plot.plot)
 app.add_typer(config_cmd.config_app, name="config")
 app.command("completions")(completions.completions)
 
 
 @app.command()
 def bench(
-    params: Annotated[float, typer.Option(help="Model size in parameters (e.g. 1e8, 2.5e7).")] = 1e8,
-    reps: Annotated[int, typer.Option(min=1, help="Repetitions; each figure is their median.")] = 3,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: cuda when torch sees a GPU, else cpu).")
+    ] = None,
+    params: Annotated[
+        float | None,
+        typer.Option(help="Model size in parameters (default 1e8 on cpu, 4e8 = ~5 GB of state on cuda)."),
+    ] = None,
+    reps: Annotated[int, typer.Option(min=1, help="Repetitions of the one-save-at-a-time part.")] = 3,
+    every: Annotated[
+        float, typer.Option(min=0.01, help="Throughput part: seconds of training between saves.")
+    ] = 10.0,
+    rounds: Annotated[
+        int, typer.Option(min=0, help="Throughput part: rotated rounds of all contenders (0: skip it).")
+    ] = 2,
+    batch: Annotated[
+        int | None, typer.Option(min=1, help="Training batch (default 8 on cpu, 4096 on cuda).")
+    ] = None,
     precision: Annotated[str, typer.Option(help="exact, bf16 or fp16 for smartckpt's moments.")] = "exact",
     level: Annotated[int, typer.Option(help="zstd level for smartckpt (-1: raw).")] = 1,
     workers: Annotated[int, typer.Option(help="Encoder threads (0: min(8, 2 x CPUs)).")] = 0,
     workdir: Annotated[Path | None, typer.Option(help="Where to write (default: the temp dir).")] = None,
     as_json: Annotated[
-        Path | None, typer.Option("--json", help="Also write the results to this file.")
+        Path | None,
+        typer.Option("--json", help="Also write the results to this file (updated after each part)."),
     ] = None,
 ) -> None:
-    """Measure smartckpt against torch.save, torch.distributed.checkpoint and the machine's bounds.
+    """Measure smartckpt against torch.save, torch.distributed.checkpoint and the machine's bounds:
+    the first save, training throughput with a save every --every seconds, and each save alone.
 
-    Example: smartckpt bench --params 2.5e7 --reps 3 --json bench.json
+    Example: smartckpt bench --device cuda --reps 1 --json bench.json
     """
-    from smartckpt_cli.bench import run_bench
     from smartckpt_cli.cli.bench_view import render
+    from smartckpt_cli.ops.bench import run_bench
 
-    with console.status("benchmarking") as status:
+    def write(result: Any) -> None:
+        # Rewritten after every part, so a bench cut short (a time limit) keeps what it measured.
+        if as_json is not None:
+            tmp = as_json.with_name(as_json.name + ".tmp")
+            tmp.write_text(json.dumps(result.to_json(), indent=2))
+            tmp.replace(as_json)
+
+    # SIGTERM (a time limit's `timeout`) ends the bench through its cleanup, which removes the
+    # checkpoints it wrote, instead of leaving them in the work directory.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    started = time.monotonic()
+    live = console.is_terminal  # a spinner on a terminal; in a log (the GPU check), one line per part
+
+    def say(status: Any, msg: str) -> None:
+        if status is not None:
+            status.update(msg)
+        else:
+            console.print(f"bench: {time.monotonic() - started:6.1f} s  {msg}", highlight=False)
+
+    with console.status("benchmarking") if live else contextlib.nullcontext() as status:
         result = run_bench(
-            int(params),
+            int(params) if params else None,
+            device=device,
             reps=reps,
+            every=every,
+            rounds=rounds,
+            batch=batch,
             workdir=workdir,
             precision=precision,
             compression_level=level,
             workers=workers,
-            progress=lambda m: status.update(m),
+            progress=lambda m: say(status, m),
+            on_update=write,
         )
     render(result, console)
+    write(result)
     if as_json is not None:
-        as_json.write_text(json.dumps(result.to_json(), indent=2))
         console.print(f"results written to {as_json}")
 
 
@@ -124,11 +168,25 @@ def simulate(
         bool, typer.Option("--all-runs", help="Concatenate every run of a store, not just the newest.")
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw the trace with each policy's checkpoints (.png, .svg or .html; needs smartckpt\\[plot]).",
+        ),
+    ] = None,
 ) -> None:
     """Replay a signal trace under the fixed, seed and adaptive policies at the same number of
     checkpoints: overhead, expected lost work, distance from loss spikes to a retained checkpoint.
 
-    Example: smartckpt simulate ./checkpoints --mtbf 3600 --save-cost 2 --save-total 20
+    At 80 columns (or in a log) the table shows the numbers with units in the headers and each
+    policy's calibrated setting on a line above; from 120 columns, the full table; --json has
+    everything.
+
+    \b
+    Examples:
+      smartckpt simulate ./checkpoints --mtbf 3600 --save-cost 2 --save-total 20
+      smartckpt simulate ./checkpoints --plot policies.png
     """
     from smartckpt_cli.errors import ConfigError
     from smartckpt_cli.simulate import SimConfig, read_trace
@@ -153,15 +211,33 @@ def simulate(
         rollback=rollback_at,
     )
     cfg.check()
-    result = run_simulation(read_trace(trace, all_runs=all_runs), cfg)
+    if plot is not None:
+        from smartckpt_cli.figures.base import check_output, matplotlib
+
+        check_output(plot)
+        matplotlib()  # one line, before the replay, when the extra is missing
+    sim_trace = read_trace(trace, all_runs=all_runs)
+    result = run_simulation(sim_trace, cfg)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
-        return
+    else:
+        _simulate_report(result)
+    if plot is not None:
+        from smartckpt_cli.figures.base import save
+        from smartckpt_cli.figures.simulation import draw_simulation
+
+        save(draw_simulation(result, sim_trace), plot, title=f"smartckpt simulate: {result.source}")
+        if not as_json:
+            console.print(f"wrote {escape(str(plot))}", highlight=False, soft_wrap=True)
+
+
+def _simulate_report(result: Any) -> None:
+    from smartckpt_cli.cli.simulate_view import render
+
     console.print(
         f"trace: {escape(result.source)}\n{result.rows} rows, {result.duration:,.1f} s; "
         f"calibration: {result.method}",
-        soft_wrap=True,
-        highlight=False,
+        highlight=False,  # wrapped at the terminal's (or the log's 80) columns
     )
     if result.onsets:
         console.print(
@@ -169,30 +245,7 @@ def simulate(
         )
     else:
         console.print("no divergence onsets found", highlight=False)
-    table = Table(title=f"policies at MTBF {mtbf:g}s, save cost {save_cost:g}s, commit after {save_total:g}s")
-    for col in ("policy", "setting", "checkpoints", "overhead", "lost/failure", "expected lost"):
-        table.add_column(col, justify="left" if col in ("policy", "setting") else "right")
-    for col in ("onset dist mean", "onset dist max", "rollback lost", "missed"):
-        table.add_column(col, justify="right")
-
-    def sec(x: float | None) -> str:
-        return "-" if x is None else f"{x:,.1f}s"
-
-    for p in result.policies:
-        count = str(p.checkpoints) + ("" if p.exact_count else f" (target {result.target})")
-        table.add_row(
-            p.name,
-            p.knob,
-            count,
-            f"{p.overhead:.2%}",
-            sec(p.mean_lost),
-            sec(p.expected_lost),
-            sec(p.mean_distance),
-            sec(p.max_distance),
-            sec(p.mean_rollback_lost),
-            str(p.missed) if result.onsets else "-",
-        )
-    console.print(table)
+    render(result, console)
 
 
 @app.command(
@@ -267,6 +320,18 @@ def main() -> None:
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ImportError as err:
+        # export, demo and bench need torch; every other command runs without it.
+        if err.name != "torch" and "torch" not in str(err):
+            raise
+        err_console.print(
+            f"smartckpt: error: this command needs PyTorch, which does not import here ({err}); "
+            "install torch for this Python",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(EXIT_USAGE)
     except OSError as err:
         err_console.print(f"smartckpt: error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(EXIT_USAGE if isinstance(err, FileNotFoundError | PermissionError) else 1)

@@ -17,6 +17,7 @@ class Shell(str, Enum):
 
 
 def completions(
+    ctx: typer.Context,
     shell: Annotated[Shell, typer.Argument(help="bash, zsh or fish.", show_default=False)],
 ) -> None:
     """Print the bash, zsh or fish completion script for smartckpt.
@@ -30,7 +31,7 @@ def completions(
       smartckpt completions fish > ~/.config/fish/completions/smartckpt.fish
       for s in bash zsh fish; do smartckpt completions $s > completions/smartckpt.$s; done
     """
-    from smartckpt_cli.cli.app import app
-    from smartckpt_cli.completions import render
+    from smartckpt_cli.cli.completion_scripts import render
 
-    typer.echo(render(typer.main.get_command(app), shell.value), nl=False)
+    # The root command of the running app (no import of cli.app: that would be a cycle).
+    typer.echo(render(ctx.find_root().command, shell.value), nl=False)

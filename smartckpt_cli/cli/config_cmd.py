@@ -44,7 +44,7 @@ def show(
 
     Exit codes: 0 shown, 2 a bad setting (unknown key, wrong type, missing --config file).
     """
-    from smartckpt_cli.config_report import effective_settings, parse_assignments
+    from smartckpt_cli.ops.config_report import effective_settings, parse_assignments
 
     rows, path = effective_settings(config, parse_assignments(set_ or []))
     if as_json:

@@ -18,7 +18,7 @@ def _child(store: Path, steps: int, out: Path) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "smartckpt_cli._demo_train",
+        "smartckpt_cli.ops.demo_train",
         "--dir",
         str(store),
         "--steps",

@@ -49,8 +49,8 @@ def export(
       1  the checkpoint is corrupt or the store has none
       2  bad input: not a store, no such step, OUT exists, safetensors not installed
     """
-    from smartckpt_cli.export import export as run_export
-    from smartckpt_cli.store_dir import open_store
+    from smartckpt_cli.ops.export import export as run_export
+    from smartckpt_cli.store.directory import open_store
 
     store = open_store(directory, meta_dir)
     result = run_export(store, out, step=step, fmt=fmt.value, weights_only=weights_only, force=force)

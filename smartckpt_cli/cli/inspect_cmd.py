@@ -41,8 +41,8 @@ def inspect(
 
     Exit codes: 0 listed, 1 unreadable journal, 2 bad input (not a store, no such step).
     """
-    from smartckpt_cli.catalog import describe, list_checkpoints
-    from smartckpt_cli.store_dir import open_store
+    from smartckpt_cli.ops.catalog import describe, list_checkpoints
+    from smartckpt_cli.store.directory import open_store
 
     store = open_store(directory, meta_dir)
     if step is not None:
@@ -104,7 +104,7 @@ def inspect(
 def _remote_view(store: object, url: str | None) -> dict[str, object] | None:
     """The remote tier's side: asked of the remote (--remote), else the uploader's status file."""
     from smartckpt_cli.remote.check import read_status, remote_summary
-    from smartckpt_cli.store_dir import StoreDir
+    from smartckpt_cli.store.directory import StoreDir
 
     assert isinstance(store, StoreDir)
     if url is None:
@@ -129,7 +129,7 @@ def _remote_line(v: dict[str, object]) -> str:
 
 
 def _render_detail(detail: object) -> None:
-    from smartckpt_cli.catalog import ManifestDetail
+    from smartckpt_cli.ops.catalog import ManifestDetail
 
     assert isinstance(detail, ManifestDetail)
     r = detail.row

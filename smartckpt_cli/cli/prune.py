@@ -55,9 +55,9 @@ def prune(
          run's upload round is in progress
       2  bad input: not a store, --keep below 1
     """
-    from smartckpt_cli.catalog import active_writer
-    from smartckpt_cli.prune import carry_out
-    from smartckpt_cli.store_dir import open_store
+    from smartckpt_cli.ops.catalog import active_writer
+    from smartckpt_cli.ops.prune import carry_out
+    from smartckpt_cli.store.directory import open_store
 
     store = open_store(directory, meta_dir)
     writer = active_writer(store)
@@ -117,8 +117,8 @@ def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:
     """--keep on the remote side, under the store's remote.lock (never during an upload round)."""
     from smartckpt_cli.errors import StoreLockedError
     from smartckpt_cli.remote.check import REMOTE_LOCK, connect, prune_remote
-    from smartckpt_cli.storage.local import file_lock
-    from smartckpt_cli.store_dir import StoreDir
+    from smartckpt_cli.store.directory import StoreDir
+    from smartckpt_cli.store.storage.local import file_lock
 
     assert isinstance(store, StoreDir)
     rem, journal, _ = connect(url)

@@ -38,11 +38,11 @@ def rollback(
       1  the target checkpoint is corrupt, or the journal cannot be read or written
       2  bad input: not a store, no such step, nothing to roll back or undo
     """
-    from smartckpt_cli.catalog import active_writer
     from smartckpt_cli.errors import CheckpointCorrupt
-    from smartckpt_cli.rollback import plan_rollback
-    from smartckpt_cli.store_dir import open_store
-    from smartckpt_cli.verify import verify
+    from smartckpt_cli.ops.catalog import active_writer
+    from smartckpt_cli.ops.rollback import plan_rollback
+    from smartckpt_cli.ops.verify import verify
+    from smartckpt_cli.store.directory import open_store
 
     store = open_store(directory, meta_dir)
     state, events = store.journal.read_events(consistent=True)

@@ -18,11 +18,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from smartckpt_cli.config import load_settings
+from smartckpt_cli.config import load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
-from smartckpt_cli.runchild import python_command
-from smartckpt_cli.runpolicy import parse_every
-from smartckpt_cli.supervisor import RunOptions, RunState, Supervisor
+from smartckpt_cli.supervise.child import python_command
+from smartckpt_cli.supervise.supervisor import RunOptions, RunState, Supervisor
 
 __all__ = ["run_command"]
 

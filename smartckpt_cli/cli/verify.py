@@ -57,9 +57,9 @@ def verify(
       2  bad input: not a store, no such step, --step with --all
     """
     from smartckpt_cli.errors import UsageError
-    from smartckpt_cli.store_dir import open_store
-    from smartckpt_cli.verify import record_results
-    from smartckpt_cli.verify import verify as run_verify
+    from smartckpt_cli.ops.verify import record_results
+    from smartckpt_cli.ops.verify import verify as run_verify
+    from smartckpt_cli.store.directory import open_store
 
     if step is not None and all_:
         raise UsageError("--step and --all exclude each other")

@@ -45,7 +45,7 @@ class Holder:
 def state_of(loaded: Any, name: str) -> Any:
     """The state saved under ``name`` in a loaded checkpoint (None when it has none): applied to a
     :class:`Holder`, through the same checks as every restore."""
-    from smartckpt_cli.apply import apply_checkpoint
+    from smartckpt_cli.state.apply import apply_checkpoint
 
     if name not in loaded.manifest.get("objects", {}):
         return None
@@ -60,7 +60,7 @@ def build_manager(manager: Any, directory: str | os.PathLike[str] | None, settin
     carry ``--dir`` and ``--every``), with the callback's own arguments on top."""
     if manager is not None:
         return manager
-    from smartckpt_cli.manager import CheckpointManager
+    from smartckpt_cli.engine.manager import CheckpointManager
 
     config = os.environ.get("SMARTCKPT_CONFIG") or None
     return CheckpointManager(directory, config=config, **settings)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smartckpt_cli import codec
 from smartckpt_cli.errors import SmartckptError
-from smartckpt_cli.journal import CheckpointRecord, decode_manifest
 from smartckpt_cli.remote.backend import Remote
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
-from smartckpt_cli.retention import select_prunable
+from smartckpt_cli.store import codec
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.retention import select_prunable
 
 __all__ = [
     "REMOTE_LOCK",

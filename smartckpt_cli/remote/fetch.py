@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from smartckpt_cli import codec
 from smartckpt_cli.errors import CheckpointCorrupt
-from smartckpt_cli.journal import CheckpointRecord, decode_manifest
 from smartckpt_cli.remote.backend import Remote
-from smartckpt_cli.storage.base import Storage
-from smartckpt_cli.store import BlobStore
+from smartckpt_cli.store import codec
+from smartckpt_cli.store.blobs import BlobStore
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.storage.base import Storage
 
 __all__ = ["Candidate", "Fetched", "fetch_checkpoint", "manifest_blob_ids", "restore_order"]
 

@@ -28,15 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smartckpt_cli import codec
-from smartckpt_cli.journal import CheckpointRecord, JournalState, decode_manifest
 from smartckpt_cli.remote.backend import Limiter, Remote, display_url
 from smartckpt_cli.remote.check import REMOTE_LOCK, STATUS_FILE, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
-from smartckpt_cli.retention import select_prunable
-from smartckpt_cli.storage.local import file_lock
-from smartckpt_cli.store_dir import StoreDir
+from smartckpt_cli.store import codec
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import CheckpointRecord, JournalState, decode_manifest
+from smartckpt_cli.store.retention import select_prunable
+from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["RemoteMismatch", "Replicator", "RoundPlan", "plan_round"]
 
@@ -149,7 +149,7 @@ class Replicator:
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
-        from smartckpt_cli.writer import lower_priority
+        from smartckpt_cli.procutil import lower_priority
 
         lower_priority(self.nice)
         delay = 0.0

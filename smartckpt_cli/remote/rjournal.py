@@ -7,7 +7,7 @@ format, crc included: a damaged object is skipped like a damaged line.
 
 The commit rule is the local one: a checkpoint exists remotely only once its ``commit`` object
 exists, and the replicator writes that object last, after every blob and the manifest. Replaying
-the objects uses the local :func:`~smartckpt_cli.journal.fold`, so both sides agree on what a
+the objects uses the local :func:`~smartckpt_cli.store.journal.fold`, so both sides agree on what a
 commit, a prune and a rollback mean.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from smartckpt_cli.errors import JournalError
-from smartckpt_cli.journal import (
+from smartckpt_cli.remote.backend import Limiter, Remote
+from smartckpt_cli.store.journal import (
     JOURNAL_FORMAT,
     JOURNAL_VERSION,
     CheckpointRecord,
@@ -27,7 +28,6 @@ from smartckpt_cli.journal import (
     encode_line,
     fold,
 )
-from smartckpt_cli.remote.backend import Limiter, Remote
 
 __all__ = ["JOURNAL_DIR", "RemoteJournal", "RemoteState", "object_name", "parse_name"]
 

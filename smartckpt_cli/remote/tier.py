@@ -19,16 +19,16 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from smartckpt_cli.errors import CheckpointCorrupt
-from smartckpt_cli.journal import JournalState
 from smartckpt_cli.remote.backend import Remote, display_url, open_remote
 from smartckpt_cli.remote.check import REMOTE_LOCK
 from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, restore_order
 from smartckpt_cli.remote.replicator import Replicator
 from smartckpt_cli.remote.rjournal import RemoteJournal
-from smartckpt_cli.restore import candidates
-from smartckpt_cli.retention import GC_LOCK
-from smartckpt_cli.storage.local import file_lock
-from smartckpt_cli.store_dir import StoreDir
+from smartckpt_cli.store.checkpoints import candidates
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import JournalState
+from smartckpt_cli.store.retention import GC_LOCK
+from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["REMOTE_LOCK", "RemoteTier"]
 

@@ -3,13 +3,13 @@
 Pure, except :func:`read_trace`. ``smartckpt simulate`` is a thin wrapper around
 :func:`read_trace` and :func:`simulate`.
 
-**Trace.** The CSV files :mod:`smartckpt_cli.tracefile` writes (step, time, loss, curvature,
+**Trace.** The CSV files :mod:`smartckpt_cli.trigger.trace` writes (step, time, loss, curvature,
 grad_var, score, decision; an optional ``onset`` column marks divergence onsets by hand), one per
 run. The run is the span of the trace, from its first row to its last.
 
 **Replay.** Each policy (fixed interval, the seed's score, smartckpt's adaptive policy), wrapped
-in :class:`~smartckpt_cli.trigger.Bounded` with the same ``min_interval``/``max_interval``, sees
-every row as a :class:`~smartckpt_cli.trigger.TriggerContext` built as the manager builds it:
+in :class:`~smartckpt_cli.trigger.policies.Bounded` with the same ``min_interval``/``max_interval``, sees
+every row as a :class:`~smartckpt_cli.trigger.policies.TriggerContext` built as the manager builds it:
 ``now`` = the row's time, the newest save taken (or the start), the row's signals as the
 reading, ``save_cost``/``save_total``/``mtbf`` from the options. Policies are consulted on trace
 rows only (the manager consults them every step; with a trace of ``eval_every`` > 1, a fixed or

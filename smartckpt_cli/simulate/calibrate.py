@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smartckpt_cli.simulate.replay import Save, SimConfig
-from smartckpt_cli.trigger import (
+from smartckpt_cli.trigger.policies import (
     AdaptivePolicy,
     Bounded,
     FixedPolicy,

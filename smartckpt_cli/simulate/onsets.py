@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from smartckpt_cli.journal import CheckpointRecord
-from smartckpt_cli.retention import select_prunable
 from smartckpt_cli.simulate.replay import Save
 from smartckpt_cli.simulate.trace import TraceRow
+from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.retention import select_prunable
 
 
 @dataclass(frozen=True)

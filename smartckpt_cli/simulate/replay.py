@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from smartckpt_cli.errors import ConfigError
-from smartckpt_cli.signals import SignalReading
 from smartckpt_cli.simulate.trace import TraceRow
-from smartckpt_cli.trigger import (
+from smartckpt_cli.trigger.policies import (
     Policy,
     TriggerContext,
 )
+from smartckpt_cli.trigger.reading import SignalReading
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ class Save:
 
 
 def _reading(r: TraceRow) -> SignalReading:
-    return SignalReading(r.step, r.loss, r.curvature, r.grad_var, raw_loss=r.loss, update=r.update)
+    return SignalReading(
+        r.step, r.loss, r.curvature, r.grad_var, raw_loss=r.loss, update=r.update, memory=r.memory
+    )
 
 
 def replay(

@@ -30,6 +30,7 @@ class TraceRow:
     decision: str = ""
     onset: bool = False
     update: float | None = None  # planned update norm (newer traces; None in older ones)
+    memory: float | None = None  # fraction of the memory ceiling in use (newer traces still)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def parse_trace(text: str, name: str = "trace") -> list[TraceRow]:
     if missing:
         raise ConfigError(
             f"{name} is not a smartckpt trace: no column {', '.join(missing)} "
-            f"(expected {','.join(REQUIRED)},update,score,decision)"
+            f"(expected {','.join(REQUIRED)},update,memory,score,decision)"
         )
     at = {c: cols.index(c) for c in cols}
     rows: list[TraceRow] = []
@@ -107,6 +108,7 @@ def parse_trace(text: str, name: str = "trace") -> list[TraceRow]:
                 raw[at["decision"]].strip() if "decision" in at else "",
                 onset,
                 get("update"),
+                get("memory"),
             )
         )
     return rows

@@ -1,7 +1,7 @@
 """Crash-state explorer: the states a power cut could leave, replayed from a recorded save.
 
 The approach of ALICE and CrashMonkey, on our own storage layer. ``Recorder`` replaces the ``os``
-module that ``smartckpt_cli.storage.local`` sees with a proxy that logs every file-system operation
+module that ``smartckpt_cli.store.storage.local`` sees with a proxy that logs every file-system operation
 under the store root: create, write (with its offset and bytes), fsync of a file, fsync of a
 directory, rename, unlink. The real operations still happen, so the save completes normally.
 
@@ -148,7 +148,7 @@ class Recorder:
 
     def start(self, initial: dict[str, bytes]) -> None:
         """Begin recording; ``initial`` is the (durable) content of the store at this moment."""
-        import smartckpt_cli.storage.local as local
+        import smartckpt_cli.store.storage.local as local
 
         self.initial = dict(initial)
         for rel in sorted(initial):
@@ -159,7 +159,7 @@ class Recorder:
         local.os = _RecordingOS(self)  # type: ignore[assignment]
 
     def stop(self) -> None:
-        import smartckpt_cli.storage.local as local
+        import smartckpt_cli.store.storage.local as local
 
         local.os = self._saved_os
 

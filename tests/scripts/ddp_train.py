@@ -10,6 +10,8 @@ Arguments:
   --out PREFIX        at the end each rank writes PREFIX.r<rank> (torch.save of its local state)
   --kill-at N --kill-rank R   rank R SIGKILLs itself before step N+1 (first attempt only)
   --hang-at N --hang-rank R   rank R sleeps forever before step N+1 (first attempt only)
+  --signal-at N --signal-rank R --signal NAME   rank R sends itself SIGNAME before step N+1
+                      (first attempt only): a preemption warning that reaches one rank
   --stop-at N         every rank exits 0 after step N (after waiting for its save)
   --step-time S       extra seconds per step (default 0)
   --zero-code         no CheckpointManager: the loop starts at smartckpt_cli.start_step() and the
@@ -52,6 +54,9 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--hang-rank", type=int, default=1)
+    p.add_argument("--signal-at", type=int, default=None)
+    p.add_argument("--signal-rank", type=int, default=1)
+    p.add_argument("--signal", default="TERM")
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--zero-code", action="store_true")
@@ -103,6 +108,8 @@ def main() -> int:
     for step in range(start, args.total):
         if first_attempt and args.kill_at == step and args.kill_rank == rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if first_attempt and args.signal_at == step and args.signal_rank == rank:
+            os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
         if first_attempt and args.hang_at == step and args.hang_rank == rank:
             while True:
                 time.sleep(60)

@@ -15,6 +15,9 @@ Arguments:
   --step-time S      extra seconds of sleep per step, as a real model would take (default 0)
   --amp              a GradScaler (CPU) whose scale changes every 3 steps; steps 4, 12 and 19
                      overflow on purpose, so the scaler skips their optimizer step
+  --fp8              the model also keeps fp8 training state: a float8_e4m3fn amax history and a
+                     float8_e5m2 scale, updated every step and fed back into the input, so a
+                     resume that loses or rounds them diverges
   --jolt-at N        the optimizer step of loop index N (printed as step N+1) runs at 400x the
                      learning rate: a loss spike whose cause the planned update shows in advance
   --fail-at N        raise RuntimeError("injected failure at step N") before step N+1 (N=0: before
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--amp", action="store_true")
+    p.add_argument("--fp8", action="store_true")
     p.add_argument("--jolt-at", type=int, default=None)
     p.add_argument("--fail-at", type=int, default=None)
     p.add_argument("--hang-at", type=int, default=None)
@@ -89,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=10_000)
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3) if args.amp else None
+    if args.fp8:
+        model.register_buffer("amax_history", torch.zeros(8).to(torch.float8_e4m3fn))
+        model.register_buffer("scale", torch.ones(1).to(torch.float8_e5m2))
 
     start = smartckpt_cli.start_step()
     print(f"start {start}", flush=True)
@@ -112,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
             it = iter(loader)
             x, y = next(it)
         x = x + 0.1 * torch.randn_like(x)  # the global torch RNG
+        if args.fp8:
+            with torch.no_grad():  # as fp8 recipes do: amax history -> scale -> the next input
+                hist = model.amax_history.float().roll(1)
+                hist[0] = x.abs().max()
+                model.amax_history.copy_(hist.to(torch.float8_e4m3fn))
+                model.scale.copy_((4.0 / hist.max()).reshape(1).to(torch.float8_e5m2))
+            x = x * model.scale.float()
         model.train()
         loss = F.mse_loss(model(x), y)
         if scaler is not None:

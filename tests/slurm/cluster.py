@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from smartckpt_cli.slurm import parse_show_job
+from smartckpt_cli.supervise.slurm import parse_show_job
 
 HERE = Path(__file__).resolve().parent
 START = HERE / "start-slurm.sh"

@@ -1,0 +1,292 @@
+"""What runs inside the training process when smartckpt is injected (``smartckpt run``).
+
+``hooks/sitecustomize.py`` calls :func:`install_hooks` once ``torch`` has been imported, and only
+when ``SMARTCKPT_RUN_DIR`` is set. That adds two global optimizer step hooks and a wrapper on
+``backward`` that remembers the last scalar loss (detached, no host sync). Nothing more happens
+until an optimizer steps (or the script calls :func:`start_step`): processes that never train stay
+untouched. Then **zero-code mode** arms: it finds the optimizers (``gc``), the top-level modules
+owning their parameters, the LR schedulers attached to them, an enabled GradScaler and (from
+``start_step`` only, before their first epoch) the DataLoaders, and checkpoints them with a
+:class:`~smartckpt_cli.engine.manager.CheckpointManager` built from the settings (``SMARTCKPT_*``).
+
+How the checkpoint of step N is made exact (which state is taken at which hook) is
+described in :mod:`smartckpt_cli.agent.zerocode`.
+
+:func:`start_step` restores the newest verified checkpoint into the discovered objects and returns
+its step; outside ``smartckpt run`` it returns 0 (or restores through a manager set with
+:func:`set_active_manager`). A script that creates its own ``CheckpointManager`` turns zero-code
+mode off in that process (two managers cannot write one store); the heartbeat still beats from
+``CheckpointManager.step``.
+
+Under torchrun (``WORLD_SIZE`` > 1) zero-code mode arms on every rank once torch.distributed is
+initialised, and takes its final checkpoint before ``destroy_process_group``; without an
+initialised world it stands down and only the heartbeat runs. Limits: modules must be on their device before ``start_step`` (buffers are tracked by
+reference); a DataLoader iterated before ``start_step`` cannot be repositioned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smartckpt_cli.engine.heartbeat import (
+    beat,
+    heartbeat_state,
+    hooks_state,
+    register_exit,
+    run_dir,
+    set_done_at_exit,
+)
+
+if TYPE_CHECKING:
+    from smartckpt_cli.agent.zerocode import ZeroCode
+
+__all__ = [
+    "active_manager",
+    "beat",
+    "heartbeat_state",
+    "install_hooks",
+    "manager_created",
+    "set_active_manager",
+    "start_step",
+]
+
+logger = logging.getLogger(__name__)
+
+_active: Any = None
+
+
+def set_active_manager(manager: Any) -> None:
+    global _active
+    _active = manager
+
+
+def active_manager() -> Any:
+    return _active
+
+
+_reported = False
+
+
+def _report(what: str, err: BaseException) -> None:
+    global _reported
+    if not _reported:
+        _reported = True
+        print(
+            f"smartckpt: zero-code checkpointing off ({what}: {type(err).__name__}: {err})", file=sys.stderr
+        )
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+_installed = False
+_last_loss: torch.Tensor | None = None
+_zc: ZeroCode | None = None
+_off = False  # stood down (a user manager, several ranks) or disabled by an internal error
+_creating_own = False
+
+
+def install_hooks() -> None:
+    """Global optimizer step hooks and the ``backward`` wrapper; idempotent, and only under
+    ``smartckpt run`` (``SMARTCKPT_RUN_DIR`` set)."""
+    global _installed
+    if _installed or run_dir() is None:
+        return
+    _installed = True
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_pre_hook)
+    register_optimizer_step_post_hook(_post_hook)
+    torch.Tensor.backward = _remember_loss(torch.Tensor.backward)  # type: ignore[method-assign]
+    torch.autograd.backward = _remember_loss(torch.autograd.backward)
+
+
+def _remember_loss(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        global _last_loss
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
+            _last_loss = tensors.detach()  # a view: no copy, no host sync; the graph is not held
+        return fn(tensors, *args, **kwargs)
+
+    backward.__doc__, backward.__name__ = fn.__doc__, fn.__name__
+    backward.__wrapped__ = fn  # type: ignore[attr-defined]
+    return backward
+
+
+def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    if _off:
+        return
+    try:
+        zc = _zc if _zc is not None else _arm(via_start_step=False)
+        if zc is not None:
+            zc.before_step(optimizer)
+    except Exception as err:
+        _disable("optimizer step", err)
+
+
+def _post_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    if _beat_only is not None:
+        _beat_only.after_step(optimizer)
+        return
+    if _off or _zc is None:
+        return
+    try:
+        _zc.after_step(optimizer)
+    except Exception as err:
+        _disable("optimizer step", err)
+
+
+def _disable(what: str, err: BaseException) -> None:
+    global _off, _zc
+    _report(what, err)
+    logger.debug("zero-code checkpointing disabled", exc_info=err)
+    _off = True
+    zc, _zc = _zc, None
+    set_done_at_exit(True)
+    if zc is not None:
+        zc.active = False
+        with contextlib.suppress(Exception):
+            zc.mgr.close()
+
+
+def manager_created(manager: Any) -> None:
+    """Called for every CheckpointManager built once zero-code mode is armed (the engine's
+    ``on_manager_created``): one the user builds turns zero-code mode off in this process (its
+    own manager would hold the store's writer lock)."""
+    global _off, _zc
+    if _creating_own or _off:
+        return
+    _off = True
+    zc, _zc = _zc, None
+    set_done_at_exit(True)
+    if zc is not None:
+        logger.warning("a CheckpointManager was created: zero-code checkpointing stands down")
+        zc.active = False
+        zc.mgr.close()
+
+
+def start_step() -> int:
+    """The step to start a plain loop from. Under ``smartckpt run``: the step of the newest verified
+    checkpoint, restored into the model(s), optimizer(s), schedulers, RNG and DataLoaders found
+    in this process (0 on a first run). Outside it, or when the script builds its own
+    CheckpointManager: 0 (or what a manager set with :func:`set_active_manager` restores).
+
+    Call it after the model, optimizer and schedulers are built (and moved to their device), and
+    before the first step."""
+    if _active is not None:
+        return int(_active.restore())
+    if run_dir() is None or _off:
+        return 0
+    try:
+        install_hooks()
+        zc = _zc if _zc is not None else _arm(via_start_step=True)
+    except Exception as err:
+        _disable("start_step", err)
+        return 0
+    if zc is None:
+        if not _off:
+            logger.warning(
+                "smartckpt: start_step() found no optimizer: call it after building the model, "
+                "optimizer and schedulers; nothing restored"
+            )
+        return 0
+    return zc.restore()  # errors of a restore are the user's to see (never start over silently)
+
+
+# ---------------------------------------------------------------------------- zero-code mode
+
+
+def _arm(*, via_start_step: bool) -> ZeroCode | None:
+    global _zc, _off, _beat_only, _creating_own
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and not _dist_ready():
+        # Under torchrun zero-code mode arms once torch.distributed is initialised (it is by the
+        # first optimizer step of a DDP/FSDP loop); every rank then coordinates through it.
+        logger.warning(
+            "smartckpt: WORLD_SIZE=%d but torch.distributed is not initialised at the first optimizer "
+            "step: zero-code checkpointing stands down, only the heartbeat runs",
+            world,
+        )
+        _off = True
+        _beat_only = _StepCounter()
+        return None
+    from smartckpt_cli.agent.zerocode import ZeroCode, discover
+    from smartckpt_cli.config import load_settings
+    from smartckpt_cli.engine import manager as engine_manager
+    from smartckpt_cli.engine.manager import CheckpointManager
+
+    if engine_manager.managers_built() > 0:
+        # the script built its own CheckpointManager before the first step: it checkpoints
+        _off = True
+        return None
+    found = discover(with_loaders=via_start_step)
+    if not found.optimizers:
+        return None
+    settings, _ = load_settings(os.environ.get("SMARTCKPT_CONFIG") or None)
+    _creating_own = True
+    try:
+        mgr = CheckpointManager(config=settings)
+    finally:
+        _creating_own = False
+    mgr.heartbeat = False  # zero-code mode beats each step from its post-hook
+    _zc = ZeroCode(found, mgr, loss=lambda: _last_loss, on_error=_disable)
+    set_done_at_exit(False)  # _finish says DONE after the final checkpoint
+    engine_manager.on_manager_created(manager_created)  # a manager built later stands us down
+    if world > 1:  # the final checkpoint needs the world: take it before the group is destroyed
+        from smartckpt_cli.engine.distributed import guard_destroy
+
+        guard_destroy(mgr, before=_finish)
+    pid = os.getpid()
+    register_exit(lambda: _finish() if os.getpid() == pid else None)
+    if not via_start_step:
+        logger.warning(
+            "smartckpt: the loop does not call smartckpt_cli.start_step(): checkpoints are written, "
+            "but a restart begins again at step 0"
+        )
+    return _zc
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _finish() -> None:
+    """At interpreter exit: zero-code mode's final checkpoint, then DONE."""
+    global _zc
+    zc, _zc = _zc, None
+    if zc is None:
+        return
+    clean = not hooks_state().get("uncaught")
+    try:
+        zc.finish(final_save=clean)
+    except Exception as err:
+        _report("final checkpoint", err)
+    if clean:
+        beat(state="DONE")
+
+
+class _StepCounter:
+    """Heartbeat without checkpointing: counts the steps of the first optimizer that steps."""
+
+    def __init__(self) -> None:
+        self.primary: Any = None
+        self.step = 0
+
+    def after_step(self, optimizer: Any) -> None:
+        if self.primary is None:
+            self.primary = optimizer
+        if optimizer is self.primary:
+            self.step += 1
+            beat(self.step)
+
+
+_beat_only: _StepCounter | None = None

@@ -1,0 +1,139 @@
+"""``smartckpt plot``: a run's timeline as a picture (PNG, SVG, HTML), or as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, say
+
+__all__ = ["Axis", "plot"]
+
+
+class Axis(str, Enum):
+    time = "time"
+    step = "step"
+
+
+def plot(
+    directory: DirArg,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="Figure file: .png, .svg or .html (default run.png; with --json: none)."
+        ),
+    ] = None,
+    run: Annotated[
+        str | None, typer.Option("--run", help="Only this run of smartckpt run (RUN_ID from <dir>/runs/).")
+    ] = None,
+    steps: Annotated[
+        str | None,
+        typer.Option(
+            "--steps", metavar="A:B", help="Only steps A to B, inclusive (A: or :B for an open end)."
+        ),
+    ] = None,
+    x: Annotated[Axis, typer.Option("--x", help="The x axis.")] = Axis.time,
+    points: Annotated[
+        int, typer.Option("--points", min=0, help="Pixel columns series are decimated to (0: every row).")
+    ] = 2000,
+    dpi: Annotated[
+        int,
+        typer.Option(
+            "--dpi", min=30, max=600, help="PNG resolution: pixels per inch of a 12-inch-wide figure."
+        ),
+    ] = 100,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="Print the series, markers and spans as JSON (no matplotlib needed)."),
+    ] = False,
+    meta_dir: MetaDirOpt = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="SMARTCKPT_CONFIG",
+            help="Settings file the run used, for max_interval, policy, threshold (default ./smartckpt.yaml).",
+        ),
+    ] = None,
+    max_interval: Annotated[
+        float | None,
+        typer.Option("--max-interval", help="The lost-work budget line, s (default: the settings')."),
+    ] = None,
+) -> None:
+    """Draw a run's timeline: loss and signals, every checkpoint by reason and health,
+    restarts with their cause and the work each lost.
+
+    Panels share the x axis (time, or step with --x step): the loss with every checkpoint on
+    it; a strip with one row per checkpoint reason (scheduled, budget, precursor, signal,
+    preemption, final, manual); curvature, gradient variance, planned update; the trigger's
+    score with its threshold; the work not yet in a checkpoint against the max_interval budget;
+    memory when the trace records it. Marker colour is the reason, shape the health (circle
+    calm, triangle not calm, cross unhealthy); faded markers were pruned or rolled back; a ring
+    has not reached the remote tier yet. Restarts are dashed lines labelled with their cause
+    (SIGKILL, OOM, hang, preemption...), the work each lost a shaded span.
+
+    Long runs draw in seconds: each series keeps, per pixel column, its smallest and largest
+    value (every spike survives); checkpoint and restart markers are never dropped.
+
+    \b
+    Examples:
+      smartckpt plot ./checkpoints                       (writes run.png)
+      smartckpt plot ./checkpoints -o run.svg --x step --steps 1000:2000
+      smartckpt plot ./checkpoints --run 20261204-101500-a1b2c3 -o run.html
+      smartckpt plot ./checkpoints --json | jq '.checkpoints[] | select(.category == "precursor")'
+
+    Drawing needs matplotlib: pip install 'smartckpt\\[plot]'.
+
+    \b
+    Exit codes:
+      0  written (or printed)
+      2  bad input: not a store, no such run, steps outside the trace, a bad -o name,
+         matplotlib missing
+    """
+    from smartckpt_cli.config import load_settings
+    from smartckpt_cli.timeline import PlotOptions, build_timeline, load_store, parse_steps
+
+    draw = output is not None or not as_json
+    target = output if output is not None else Path("run.png")
+    if draw:
+        from smartckpt_cli.figures.base import check_output, matplotlib
+
+        check_output(target)
+        matplotlib()  # fail now, in one line, not after reading a week of traces
+    span = parse_steps(steps) if steps is not None else None
+    # The run's settings, for the budget line and the score's threshold; --max-interval is only
+    # the line drawn, so it is not validated against the other settings.
+    settings, _ = load_settings(config)
+    policy = "fixed" if settings.every_steps or settings.every_seconds else settings.policy
+    opts = PlotOptions(
+        axis=x.value,
+        steps=span,
+        run_id=run,
+        bins=points,
+        max_interval=settings.max_interval if max_interval is None else max_interval,
+        policy=policy,
+        threshold=settings.threshold,
+    )
+    started = time.monotonic()
+    timeline = build_timeline(load_store(directory, meta_dir), opts)
+    if as_json:
+        typer.echo(json.dumps(timeline.to_json()))
+    if not draw:
+        return
+    from smartckpt_cli.figures.base import save
+    from smartckpt_cli.figures.timeline import draw_timeline, timeline_html, timeline_title
+
+    fig = draw_timeline(timeline, dpi=dpi)
+    save(fig, target, title=timeline_title(timeline), html_body=timeline_html(timeline))
+    restarts = sum(r.restarted for r in timeline.restarts)
+    say(
+        f"wrote {target}: {timeline.trace_rows:,} trace row(s) from {len(timeline.segments)} file(s), "
+        f"{len(timeline.checkpoints):,} checkpoint(s), {restarts} restart(s), "
+        f"in {time.monotonic() - started:.1f} s",
+        error=as_json,  # stdout is the JSON's
+    )

@@ -1,0 +1,11 @@
+"""HOW a save and a restore happen, inside the training process.
+
+:mod:`.manager` (``CheckpointManager``: the facade users touch), :mod:`.stepping` (what
+``step()`` and the optimizer pre-hook do at every step), :mod:`.cadence` (how often that does
+anything), :mod:`.snapshot` (the one copy the loop waits for), :mod:`.writer` (encode, write and
+commit off the training thread), :mod:`.restore` (the newest checkpoint that verifies, read into
+memory), :mod:`.prestep` (the state at the last step boundary, for a save before a suspicious
+update), :mod:`.preempt` (SIGTERM/SIGUSR1 make the next boundary save), :mod:`.distributed` and
+:mod:`.multirank` (several ranks: agreement on one step, two-phase commit), :mod:`.heartbeat`
+(what this process tells ``smartckpt run``).
+"""

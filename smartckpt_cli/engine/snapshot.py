@@ -1,0 +1,335 @@
+"""The part of a save the training loop waits for: copy the state into staging buffers.
+
+Everything after (precision reduction, encoding, hashing, writing) runs in the background on these
+copies, so training may mutate its tensors again as soon as the copy is done.
+
+Two paths:
+
+* **eager** (``save()`` outside a training step, ``blocking=True``, or nothing to guard the
+  state): every tensor is copied before :func:`take_snapshot` returns.
+* **lazy** (``mgr.step()`` with registered optimizers, the idea of DataStates-LLM's lazy copies):
+  parameters owned by a registered optimizer and the optimizer's own state change only inside
+  ``optimizer.step()``. Their copy is deferred to the background (CPU: the save thread copies
+  them first; CUDA: a side stream copies them, ordered after the current stream) and the
+  optimizer step *pre-hook* waits only for what is not yet copied (:meth:`Snapshot.guard`). The
+  loop then waits only when a copy is slower than a whole forward+backward. Everything else —
+  buffers that forward mutates (BatchNorm statistics), parameters no registered optimizer owns,
+  schedulers, RNG, data position — is copied eagerly.
+
+Staging buffers are kept per entry and reused by the next save (memory stays flat over hundreds
+of saves); the manager allows one save in flight, so a buffer is never refilled while it is still
+being written. CUDA tensors go to pinned host buffers with non-blocking copies and events;
+without CUDA it is a plain copy into preallocated buffers.
+
+**Prepared off the critical path.** Allocating the staging memory is what made the first save
+slow: 2.4 s of pinned allocation for 4.8 GB on an H200 host, 1.4 s of first-touch page faults
+for 1.2 GB on CPU. :meth:`Stager.prepare` (the manager calls it at the first step after
+``register``/``restore``, when the optimizer's moments exist) allocates every entry's buffer in a
+low-priority background thread and touches its pages; the first save then finds them ready (or
+waits for the thread, never allocating twice). Pinned memory is taken by registering the
+buffer's own pages (``cudaHostRegister``), not from PyTorch's pinned allocator, which rounds each
+block up to a power of two (a 180 MB tensor would hold 256 MB): staging stays the size of the
+state. Where registering fails (``ulimit -l``, no CUDA runtime) it is PyTorch's pinned allocator,
+and where that fails too, pageable memory (copies are then synchronous; the save still works).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smartckpt_cli.state.optstate import moment_keys, param_shapes
+from smartckpt_cli.state.tiers import EntryPlan, TierRule, classify
+from smartckpt_cli.state.tree import flatten
+
+__all__ = ["Item", "Snapshot", "Spec", "Stager", "staging_specs", "take_snapshot"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Item:
+    plan: EntryPlan
+    tensor: torch.Tensor  # the staged copy: CPU, contiguous
+    dtype: torch.dtype
+    shape: list[int]
+
+
+@dataclass
+class Snapshot:
+    step: int
+    reason: str
+    score: float | None
+    objects: dict[str, dict[str, Any]]  # name -> {"kind", "tree"}
+    items: list[Item]
+    meta: dict[str, Any]
+    health: str = "ok"
+    ready: Any = None  # a CUDA event to wait on before reading the staged tensors
+    dropped: list[str] = field(default_factory=list)  # L4 keys, not stored
+    lazy: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (buffer, live)
+    lazy_event: Any = None  # CUDA: the side-stream copy of the lazy tensors
+    copied: threading.Event = field(default_factory=threading.Event)
+    guard_seconds: float = 0.0  # time the optimizer pre-hook waited for the lazy copies
+    blocking_seconds: float = 0.0  # time save() blocked the caller (set by the manager)
+    calm: bool = True  # the trigger saw calm signals: a known-good candidate for retention
+
+    def finish_copies(self) -> None:
+        """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the
+        optimizer step go on. Always releases the guard, even if a copy fails."""
+        try:
+            for buf, live in self.lazy:
+                if live.device.type != "cuda":
+                    buf.copy_(live)
+        finally:
+            self.copied.set()
+
+    def guard(self) -> None:
+        """Optimizer step pre-hook: block until the deferred copies are done."""
+        if self.copied.is_set():
+            return
+        t0 = time.perf_counter()
+        if self.lazy_event is not None:
+            # CUDA: make the compute stream wait for the copy stream; the host does not block.
+            torch.cuda.current_stream().wait_event(self.lazy_event)
+            if all(live.device.type == "cuda" for _, live in self.lazy):
+                return
+        self.copied.wait()
+        self.guard_seconds += time.perf_counter() - t0
+
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        self.finish_copies()
+        if self.lazy_event is not None:
+            self.lazy_event.synchronize()
+
+
+_PAGE = 4096
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown, no runtime: the process's end unpins it anyway
+        pass
+
+
+def _registered_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+    """A host buffer whose own pages are pinned with cudaHostRegister (exact size: no rounding),
+    or None where that fails. The pages are unpinned when the last view of them is gone."""
+    nbytes = torch.empty((), dtype=dtype).element_size() * max(1, torch.Size(shape).numel())
+    span = -(-nbytes // _PAGE) * _PAGE
+    base = torch.empty(span + _PAGE, dtype=torch.uint8)
+    off = (-base.data_ptr()) % _PAGE
+    region = base[off : off + span]
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
+    except Exception:
+        return None
+    if int(rc) != 0:
+        return None
+    weakref.finalize(base, _unregister, region.data_ptr())
+    buf = region[:nbytes].view(dtype)[: torch.Size(shape).numel()].view(shape)
+    # The buffer holds its base: the pages stay pinned while anything may copy into the buffer
+    # (the stager drops a buffer only at a snapshot, after the previous save's copies are done).
+    buf._smartckpt_base = base  # type: ignore[attr-defined]
+    return buf
+
+
+def _host_buffer(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A host buffer for one entry: pinned when ``pin`` and possible (module docstring)."""
+    if pin:
+        buf = _registered_empty(shape, dtype)
+        if buf is not None:
+            return buf
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:  # pinning can fail (locked-memory limits): degrade to pageable
+            pass
+    return torch.empty(shape, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One staging buffer to prepare."""
+
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    pin: bool
+
+
+class Stager:
+    """Reusable host buffers, one per state entry; :meth:`prepare` makes them in the background."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._pin = torch.cuda.is_available()
+        self._prep: threading.Thread | None = None
+        self.prepared_seconds = 0.0  # how long the background preparation took
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def prepare(self, specs: list[Spec], nice: int = 10) -> None:
+        """Allocate (and touch, or pin) the buffers of ``specs`` in a background thread."""
+        if self._prep is not None and self._prep.is_alive():
+            return
+        todo = [sp for sp in specs if not self._fits(self._buffers.get(sp.key), sp.shape, sp.dtype)]
+        if not todo:
+            return
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            if nice:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                except (OSError, AttributeError):
+                    pass
+            try:
+                for sp in todo:
+                    buf = _host_buffer(sp.shape, sp.dtype, sp.pin and self._pin)
+                    if buf.numel() and not buf.is_pinned():
+                        buf.zero_()  # fault the pages in now, not in the first save's copy
+                    self._buffers[sp.key] = buf
+            except Exception as err:  # the save allocates what is missing, as before
+                logger.warning("preparing the staging buffers failed: %s", err)
+            self.prepared_seconds = time.perf_counter() - t0
+
+        self._prep = threading.Thread(target=run, name="smartckpt-staging", daemon=True)
+        self._prep.start()
+
+    def ready(self) -> None:
+        """Wait for the background preparation, if one runs (the snapshot never allocates a
+        buffer the thread is about to make: no entry is held twice)."""
+        prep = self._prep
+        if prep is not None:
+            prep.join()
+
+    @staticmethod
+    def _fits(buf: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> bool:
+        return buf is not None and buf.shape == shape and buf.dtype == dtype
+
+    def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if not self._fits(buf, t.shape, t.dtype):
+            buf = _host_buffer(t.shape, t.dtype, self._pin and t.device.type == "cuda")
+            self._buffers[key] = buf
+        assert buf is not None
+        return buf
+
+    def stage(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer(key, t)
+        buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        return buf
+
+    def reserve(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The buffer for a lazy copy, not filled yet."""
+        return self._buffer(key, t)
+
+    def copy_stream(self) -> Any:
+        if not hasattr(self, "_stream"):
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def forget_except(self, keys: set[str]) -> None:
+        for k in [k for k in self._buffers if k not in keys]:
+            del self._buffers[k]
+
+
+def staging_specs(
+    objects: dict[str, tuple[str, Any]], *, precision: str, rules: tuple[TierRule, ...]
+) -> list[Spec]:
+    """The buffers a snapshot of ``objects`` will stage into (what :func:`take_snapshot` stores)."""
+    specs = []
+    for name, (kind, obj) in objects.items():
+        _, tensors = flatten(obj.state_dict(), name)
+        for key, t in tensors.items():
+            plan = classify(
+                key, kind, numel=t.numel(), floating=t.is_floating_point(), precision=precision, rules=rules
+            )
+            if plan.stored:
+                specs.append(Spec(key, t.shape, t.dtype, t.device.type == "cuda"))
+    return specs
+
+
+def take_snapshot(
+    objects: dict[str, tuple[str, Any]],
+    *,
+    stager: Stager,
+    step: int,
+    reason: str,
+    score: float | None,
+    precision: str,
+    rules: tuple[TierRule, ...],
+    meta: dict[str, Any],
+    lazy_params: set[int] | None = None,
+) -> Snapshot:
+    """Copy every registered object's state. ``objects``: name -> (kind, object with state_dict).
+
+    ``lazy_params``: the storage pointers of parameters guarded by an optimizer pre-hook; given,
+    those and the optimizers' state are copied lazily (see module docstring), else all eagerly."""
+    stager.ready()
+    trees: dict[str, dict[str, Any]] = {}
+    items: list[Item] = []
+    dropped: list[str] = []
+    lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
+    any_cuda = False
+    for name, (kind, obj) in objects.items():
+        sd = obj.state_dict()
+        tree, tensors = flatten(sd, name)
+        trees[name] = {"kind": kind, "tree": tree}
+        moments: set[str] | None = None
+        if kind == "optimizer":
+            shapes = param_shapes(obj, sd)
+            trees[name]["param_shapes"] = shapes  # what restore compares moments against
+            moments = moment_keys(name, sd, shapes)
+        for key, t in tensors.items():
+            plan = classify(
+                key,
+                kind,
+                numel=t.numel(),
+                floating=t.is_floating_point() or t.is_complex(),
+                precision=precision,
+                rules=rules,
+                moment=moments is None or key in moments,
+            )
+            if not plan.stored:
+                dropped.append(key)
+                continue
+            if lazy_params is not None and (
+                kind == "optimizer" or t.untyped_storage().data_ptr() in lazy_params
+            ):
+                staged = stager.reserve(key, t)
+                lazy.append((staged, t.detach()))
+            else:
+                any_cuda |= t.device.type == "cuda"
+                staged = stager.stage(key, t)
+            items.append(Item(plan, staged, t.dtype, list(t.shape)))
+    stager.forget_except({i.plan.key for i in items})
+    ready = lazy_event = None
+    if any_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    cuda_lazy = [(b, t) for b, t in lazy if t.device.type == "cuda"]
+    if cuda_lazy:
+        stream = stager.copy_stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step that produced them
+        with torch.cuda.stream(stream):
+            for buf, live in cuda_lazy:
+                buf.copy_(live, non_blocking=True)
+        lazy_event = torch.cuda.Event()
+        lazy_event.record(stream)
+    snap = Snapshot(step, reason, score, trees, items, meta, ready=ready, dropped=dropped, lazy=lazy)
+    snap.lazy_event = lazy_event
+    if not lazy:
+        snap.copied.set()
+    return snap

@@ -1,0 +1,437 @@
+"""The per-step path of :class:`~smartckpt_cli.engine.manager.CheckpointManager`: what ``mgr.step()``
+and the optimizer step pre-hook do at every step, and how rarely anything more happens.
+
+Order of calls (training thread), for step N of a loop ``forward; backward; opt.step(); ...;
+mgr.step(N)``:
+
+1. ``opt.step()`` runs the pre-hook (``_before_optimizer_step``): the lazy snapshot's guard;
+   on an evaluation step (``Signals.due``) the gradient statistics, and, when the policy can
+   save before the update (one process), the evaluation itself and ``policy.before_update``.
+2. ``mgr.step(N)``: the loss joins the window if an evaluation is near; an evaluation not taken
+   in the pre-hook is launched, a reading read back (CPU: at once; CUDA: once its event has
+   passed); the policy is asked only at a reading, a pending wish or signal, after a commit, or
+   from the step/time ``quiet_until`` named (cadence.py); several ranks agree only at decision
+   steps (``_agree``); then the save, if any.
+
+Everything else of a step is a few comparisons. This is a mixin: the state it reads is the
+manager's, set up in its ``__init__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smartckpt_cli.config import Settings
+from smartckpt_cli.engine import heartbeat
+from smartckpt_cli.engine.cadence import StepClock, decide_gap
+from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.trigger.memory import MemoryProbe
+from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
+from smartckpt_cli.trigger.reading import SignalReading
+from smartckpt_cli.trigger.signals import Signals
+from smartckpt_cli.trigger.trace import TraceWriter
+
+if TYPE_CHECKING:
+    from smartckpt_cli.engine.distributed import Comm
+    from smartckpt_cli.engine.manager import SaveHandle
+
+__all__ = ["StepPath", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+_NO = Decision(False)
+
+
+@dataclass
+class StepResult:
+    saved: bool = False
+    reason: str = ""
+    handle: SaveHandle | None = None
+    failures: int = 0  # background saves that failed so far
+    last_error: str | None = None
+
+
+class StepPath:
+    """The manager's per-step methods (module docstring)."""
+
+    settings: Settings
+    policy: Policy
+    _precursor: bool
+    _signals: Signals
+    _memory: MemoryProbe
+    _clock: StepClock
+    _quiet: tuple[float, float]
+    _quiet_commits: int
+    _wish: Decision | None
+    _eval_cost: float
+    _prepare: bool
+    _point: int
+    _decide_cost: float
+    _urgent: bool
+    _comm: Comm | None
+    _rank: int
+    _boundary: Boundary
+    _pre_reading: SignalReading | None
+    _pre_hooks: int
+    _pre_saved: tuple[SaveHandle, str] | None
+    _optimizers: list[Any]
+    _objects: dict[str, tuple[str, Any]]
+    _lazy_snapshot: Any
+    _stats: Any
+    _stats_lock: threading.Lock
+    _inflight: SaveHandle | None
+    _preempt: PreemptionWatch
+    _trace: TraceWriter
+    _stager: Stager
+    _last_step: int
+    _last_loss: torch.Tensor | float | None
+    _last_reading: SignalReading | None
+    _scheduled: tuple[int | None, float]
+    _committed: tuple[int | None, float]
+    _cost_wait: float
+    _cost_total: float
+    _calm_step: int
+    _record_until: int
+    _keep_from: int
+    _next_eval: int
+    _calm_time: float
+    _beating: bool
+    heartbeat: bool
+    # the manager's own
+    _save: Callable[..., SaveHandle]
+    _preempted: Callable[[int, int, StepResult], StepResult]
+
+    def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        # The lazy snapshot's guard: parameters and moments may only change once copied.
+        snap = self._lazy_snapshot
+        if snap is not None:
+            snap.guard()
+            if snap.copied.is_set():
+                self._lazy_snapshot = None
+        step = self._last_step + 1
+        if step < self._next_eval or not self._signals.due(step):
+            return  # a step that does not evaluate: nothing else to do here
+        # Gradient statistics for the evaluation, reduced on the device.
+        t0 = time.monotonic()
+        self._signals.collect_grads(optimizer, self._loss_scale())
+        self._pre_hooks += 1
+        self._eval_cost += time.monotonic() - t0
+        # After the last optimizer's statistics: evaluate here, before any update runs, when
+        # the policy can save before it. Several ranks evaluate in step(): rank 0 decides for all
+        # at a decision step, and no collective may run in a hook.
+        if self._comm is None and self._precursor and self._pre_hooks == len(self._optimizers):
+            try:
+                self._before_update(step)
+            except Exception as err:  # never break the user's optimizer.step()
+                logger.warning("save before the optimizer update failed: %s", err)
+                with self._stats_lock:
+                    self._stats.failures.append(f"step {self._last_step}: {err}")
+
+    def _launch(self, step: int) -> None:
+        """Start the evaluation of ``step``: the memory ceiling read on the host, the signals'
+        one readback."""
+        sample = self._memory.read()
+        self._signals.launch(step, memory=sample.fraction if sample is not None else None)
+
+    def _before_update(self, step: int) -> None:
+        """The evaluation of ``step`` and the policy's save before the update: the checkpoint of
+        the previous step, whose parameters and moments are untouched. The reading is needed
+        now: on CUDA this waits for the readback (the backward and the reductions queued before
+        it), once per evaluation — the precursor's one host sync."""
+        t0 = time.monotonic()
+        self._launch(step)
+        t1 = time.monotonic()
+        reading = self._pre_reading = self._signals.poll(wait=True)
+        t2 = time.monotonic()
+        ask = getattr(self.policy, "before_update", None)
+        if ask is None or reading is None:
+            return
+        decision: Decision = ask(self._context(step, reading))
+        self._eval_cost += (t1 - t0) + (time.monotonic() - t2)  # the wait is not its cost
+        if not decision.save:
+            return
+        busy = self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
+        prev = self._last_step
+        objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
+        if objects is None or busy:
+            return  # the alarm stays pending: step() takes it, after the update
+        self._last_reading = reading
+        handle = self._save(prev, decision, lazy=False, objects=objects)
+        self._pre_saved = (handle, decision.reason)
+        logger.info("step %d: saved before the update of step %d (%s)", prev, step, decision.reason)
+
+    def _loss_scale(self) -> torch.Tensor | None:
+        """The current scale of a registered, enabled GradScaler (a device tensor: no sync)."""
+        for kind, obj in self._objects.values():
+            if kind == "state" and isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
+                scale = getattr(obj, "_scale", None)
+                return scale if isinstance(scale, torch.Tensor) else None
+        return None
+
+    def step(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None = None,
+        *,
+        loss_scale: torch.Tensor | float | None = None,
+        can_save: bool = True,
+    ) -> StepResult:
+        """Tell the manager a training step finished; it saves when the policy says so, or takes
+        a blocking save and hands the signal on when a preemption signal arrived.
+
+        The loss stays on its device (kept only for the few steps before an evaluation);
+        ``loss_scale``: the factor it was multiplied by before backward (a GradScaler's scale),
+        divided out only for those steps. A step that does not evaluate costs a few comparisons
+        (cadence.py). Evaluations read the signals back once (signals.py); with a registered
+        optimizer (one process) and a policy that can save before the update, that happens in
+        its step pre-hook, before the update, where a precursor can save the previous step
+        (``_before_update``); this step's result then reports that save.
+
+        ``can_save=False``: the state of this step cannot be snapshotted now (zero-code mode
+        when it did not record the step's boundary, see :meth:`may_save`); a save asked for
+        waits for the next step that can, a preemption signal too."""
+        now = time.monotonic()
+        if (
+            step < self._calm_step
+            and now < self._calm_time
+            and self._pre_reading is None
+            and self._pre_saved is None
+            and self._preempt.pending is None
+            and self._stats.commits == self._quiet_commits
+        ):
+            # Nothing can happen at this step: no evaluation at the next one, no signal, no
+            # decision step, the policy cannot save yet. Each line of Python here costs about a
+            # microsecond in a training loop (cold caches after the step's kernels), so this path
+            # is these comparisons, the heartbeat under `smartckpt run` (a memory write) and the
+            # loss for the next evaluation's window, kept as a detached device tensor.
+            self._last_step = step
+            if self._beating:
+                heartbeat.beat_step(step)
+            if step >= self._keep_from and loss is not None:
+                self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+                self._signals.add_loss(self._last_loss if loss_scale is None else loss / loss_scale)
+            failed = self._stats.failures
+            return StepResult(failures=len(failed), last_error=failed[-1] if failed else None)
+        return self._boundary_step(step, loss, loss_scale, can_save, now)
+
+    def _boundary_step(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        loss_scale: torch.Tensor | float | None,
+        can_save: bool,
+        now: float,
+    ) -> StepResult:
+        """``step()`` where something may happen (an evaluation, its loss window, a signal, a
+        decision step, a policy that may save, a heartbeat due)."""
+        sig = self._signals
+        sig.step_time = self._clock.tick(now, step)
+        self._last_step = step
+        # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
+        # this step's evaluation; this step's loss joins the next one's window.
+        reading, self._pre_reading = self._pre_reading, None
+        pre_saved, self._pre_saved = self._pre_saved, None
+        self._pre_hooks = 0
+        if loss is not None:
+            # detached: the caller's reference alone decides when its graph goes, as without us
+            self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            if sig.keeps_loss(step):
+                sig.add_loss(loss if loss_scale is None else loss / loss_scale)
+        if self._prepare:
+            self._prepare_staging()
+        if reading is None:
+            if sig.due(step):
+                t0 = time.monotonic()
+                self._launch(step)
+                self._eval_cost += time.monotonic() - t0
+            if sig.pending:  # CPU: at once; CUDA: once its event has passed, a later step
+                reading = sig.poll()
+        # Under `smartckpt run`: a heartbeat (the loss only when this step read it back anyway).
+        if self.heartbeat:
+            heartbeat.beat(step, reading.raw_loss if reading else None, committed_step=self._committed[0])
+            self._beating = heartbeat.heartbeat_on()
+        else:  # zero-code mode: its hook beats the step; what only the manager knows goes here
+            heartbeat.beat(None, reading.raw_loss if reading else None, committed_step=self._committed[0])
+            self._beating = False
+        due_next = sig.due(step + 1)
+        sig.arm(due_next)
+        if due_next and can_save and self._comm is None and self._optimizers and self._precursor:
+            t0 = time.monotonic()
+            self._boundary.capture(step, self._objects)
+            self._eval_cost += time.monotonic() - t0
+        elif self._boundary.step is not None:
+            self._boundary.clear()
+        result = StepResult()
+        if pre_saved is not None:
+            result.saved, result.handle, result.reason = True, pre_saved[0], pre_saved[1]
+        decision = _NO
+        if (
+            reading is not None
+            or self._wish is not None
+            or self._preempt.pending is not None
+            or step >= self._quiet[0]
+            or now >= self._quiet[1]
+            or self._stats.commits != self._quiet_commits
+            or (self._comm is not None and step >= self._point)
+        ):
+            t0 = time.monotonic()
+            decision = self._consult(step, reading)
+            if reading is not None:
+                reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
+                self._trace.add(reading, decision.score, reason)
+                sig.charge(self._eval_cost + time.monotonic() - t0)
+                self._eval_cost = 0.0
+        signum: int | None
+        if self._comm is not None:
+            # Rank 0's trigger decides for all ranks, at the agreed decision steps; any rank's
+            # preemption signal makes every rank take the blocking save. No collective in a hook.
+            decision, signum = self._agree(step, decision, can_save)
+        else:
+            signum = self._preempt.take() if can_save else None
+            if decision.save and not can_save:
+                self._wish, decision = decision, _NO  # taken at the next step that can
+            elif decision.save and self._busy():
+                self._wish = None
+                with self._stats_lock:
+                    self._stats.skipped.append(step)
+                logger.info("step %d: save skipped, the previous one is still being written", step)
+                decision = _NO
+        if signum is not None:
+            return self._preempted(step, signum, result)
+        if decision.save:
+            result.handle = self._save(step, decision, lazy=bool(self._optimizers))
+            result.saved = True
+            result.reason = decision.reason
+        with self._stats_lock:
+            result.failures = len(self._stats.failures)
+            result.last_error = self._stats.failures[-1] if self._stats.failures else None
+        self._calm_after(step)
+        return result
+
+    def _calm_after(self, step: int) -> None:
+        """Until which step and time nothing can happen (the fast path of ``step``): the first
+        step whose loss the next evaluation keeps, the policy's quiet step and time, the next
+        decision step of several ranks, the next heartbeat; nothing while a reading, a wish or a
+        preparation is pending."""
+        sig = self._signals
+        self._next_eval = sig.next_due(step + 1)
+        if sig.pending or self._wish is not None or self._prepare:
+            self._calm_step, self._calm_time, self._record_until = -1, -math.inf, -1
+            return
+        # the losses of the window are kept on the fast path; the step before the evaluation arms
+        # its statistics (and captures the boundary a precursor would save)
+        self._keep_from = self._next_eval - self._signals.window - 1
+        calm = min(float(self._next_eval - 1), self._quiet[0])
+        if self._comm is not None:
+            calm = min(calm, float(self._point))
+        self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
+        self._calm_time = self._quiet[1]
+        # may_save: the step before the evaluation (a save before its update) and the evaluation
+        # step (its reading) may save, as may the policy's quiet step and a decision step
+        self._record_until = self._calm_step
+
+    def _uncalm(self) -> None:
+        """The schedule moved (a save, a restore, a registration): the next step looks again."""
+        self._calm_step, self._calm_time, self._next_eval = -1, -math.inf, -1
+        self._keep_from, self._record_until = 1 << 62, -1
+
+    def _busy(self) -> bool:
+        return self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
+
+    def _consult(self, step: int, reading: SignalReading | None) -> Decision:
+        """Ask the policy, and until when it need not be asked again."""
+        ctx = self._context(step, reading)
+        decision = self.policy.should_save(ctx)
+        if reading is not None:
+            self._last_reading = reading
+        quiet = getattr(self.policy, "quiet_until", None)
+        self._quiet = quiet(ctx) if quiet is not None else (step, ctx.now)
+        self._quiet_commits = self._stats.commits
+        if not decision.save and self._wish is not None:
+            decision = self._wish
+        return decision
+
+    def _agree(self, step: int, decision: Decision, can_save: bool) -> tuple[Decision, int | None]:
+        """Several ranks: rank 0's wish, any rank's signal and memory alarm, agreed at the
+        decision steps only (the next one is set by the collective itself, so every rank knows
+        it); in between, wishes and signals wait."""
+        assert self._comm is not None
+        if decision.save:
+            if self._rank == 0:
+                self._wish = decision
+            elif decision.reason == "memory pressure":
+                self._urgent = True
+        if step < self._point:
+            return _NO, None
+        want = self._rank == 0 and self._wish is not None and not self._busy()
+        gap = (
+            decide_gap(step, self._clock.seconds, self._decide_cost, self._quiet[0]) if self._rank == 0 else 1
+        )
+        t0 = time.monotonic()
+        save, signum, gap, urgent, blocked, every = self._comm.decide(
+            want, self._preempt.pending or 0, gap, self._urgent, not can_save, self._signals.own_spacing()
+        )
+        self._signals.agreed = every or None  # rank 0's evaluation spacing, from the next launch on
+        took = time.monotonic() - t0
+        self._decide_cost = took if self._decide_cost == 0.0 else 0.8 * self._decide_cost + 0.2 * took
+        # After a save or a signal the state of the schedule changes: agree again at the next step.
+        self._point = step + (1 if blocked or save or urgent or signum else gap)
+        if blocked:  # some rank cannot snapshot this step: every rank waits for the next one
+            return _NO, None
+        if signum:
+            self._preempt.take()
+            return _NO, signum
+        if not (save or urgent):
+            return _NO, None
+        chosen = self._wish if save and self._wish is not None else None
+        if chosen is None:
+            chosen = Decision(True, "rank 0 trigger" if save else "memory pressure", calm=decision.calm)
+        self._wish, self._urgent = None, False
+        return chosen, None
+
+    def may_save(self, step: int) -> bool:
+        """Whether :meth:`step` for ``step`` (or a save before the next step's update) might
+        take a save; True whenever in doubt. A caller that prepares what a save of ``step``
+        reads (zero-code mode records the boundary's RNG, data position and buffers) may skip
+        that when this is False, and calls ``step(step, ..., can_save=False)``."""
+        if (
+            step < self._record_until
+            and self._pre_reading is None
+            and self._preempt.pending is None
+            and self._stats.commits == self._quiet_commits
+        ):
+            # the step call comes up to a step later (zero-code: the next pre-hook)
+            return time.monotonic() + 2.0 * self._clock.seconds >= self._quiet[1]
+        return True
+
+    def _prepare_staging(self) -> None:
+        """Staging buffers for the first save, made in the background (snapshot.py)."""
+        self._prepare = False
+        try:
+            specs = staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
+        except Exception as err:  # the save allocates what it needs, as before
+            logger.debug("staging not prepared: %s", err)
+            return
+        self._stager.prepare(specs, nice=self.settings.background_nice)
+
+    def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
+        return TriggerContext(
+            step,
+            time.monotonic(),
+            *self._scheduled,
+            loss=reading.raw_loss if reading else None,
+            reading=reading,
+            save_cost=self._cost_wait,
+            save_total=self._cost_total,
+            mtbf=self.settings.mtbf,
+        )

@@ -1,0 +1,329 @@
+"""HOW a snapshot becomes a committed checkpoint, off the training thread.
+
+Order (the DESIGN commit protocol):
+
+1. reduce precision where the plan says so, split every tensor into chunks;
+2. per chunk, on the worker pool: hash the raw bytes; reuse the blob of identical earlier content
+   (frozen weights, unchanged buffers) or encode (byte-shuffle + zstd), hash, write, fsync;
+3. fsync the blob directories, so every blob rename is durable;
+4. write the manifest (tmp, fsync, rename, fsync dir);
+5. append the journal ``commit`` line and fsync it: **the commit point**.
+
+A crash before 5 leaves garbage that garbage collection removes; the previous checkpoint is
+untouched because blobs are write-once and nothing committed is ever modified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from smartckpt_cli._faults import fault_point
+from smartckpt_cli.engine.snapshot import Snapshot
+from smartckpt_cli.procutil import lower_priority
+from smartckpt_cli.state import precision
+from smartckpt_cli.state.dtypes import all_finite, dtype_name
+from smartckpt_cli.store import codec
+from smartckpt_cli.store.blobs import BlobStore
+from smartckpt_cli.store.journal import (
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    Journal,
+    encode_manifest,
+    manifest_rel,
+)
+from smartckpt_cli.store.storage.base import Storage
+from smartckpt_cli.store.storage.local import PendingWrite
+
+__all__ = ["CommitInfo", "Persister", "Written", "base_meta"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    step: int
+    id: str
+    manifest: str
+    bytes_new: int  # encoded bytes this checkpoint wrote
+    bytes_total: int  # encoded bytes it references (shared ones included)
+    bytes_raw: int  # bytes of the state before precision reduction and compression
+    seconds: float
+    health: str = "ok"
+
+
+@dataclass
+class _Chunk:
+    view: memoryview
+    itemsize: int
+
+
+class Persister:
+    """Carries out snapshots; knows nothing of when or why they are taken."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        blobs: BlobStore,
+        journal: Journal,
+        store_id: str,
+        *,
+        level: int,
+        chunk_bytes: int,
+        workers: int,
+        nice: int = 10,
+    ) -> None:
+        self.storage, self.blobs, self.journal, self.store_id = storage, blobs, journal, store_id
+        self.level, self.chunk_bytes = level, chunk_bytes
+        self.pool = ThreadPoolExecutor(
+            max_workers=max(1, workers),
+            thread_name_prefix="smartckpt-enc",
+            initializer=lower_priority,
+            initargs=(nice,),
+        )
+        # (raw hash, raw length) -> (blob id, codec, encoded length): identical content is not
+        # encoded again, let alone written.
+        self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
+        self._begun: set[str] = set()  # blobs this save started writing (not yet named)
+        self._begun_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def remember(self, manifest: dict[str, Any]) -> None:
+        """Seed the dedup index from a restored manifest, so a resumed run shares its blobs."""
+        for entry in manifest.get("entries", {}).values():
+            for stream in (entry.get("data"), entry.get("patch")):
+                for bid, cod, raw_len, rh, enc_len in (stream or {}).get("chunks", []):
+                    self.known[(rh, raw_len)] = (bid, cod, enc_len)
+
+    def _streams(
+        self, item_tensor: torch.Tensor, transform: str
+    ) -> tuple[precision.Reduced, list[_Chunk], list[_Chunk]]:
+        red = precision.reduce(item_tensor, transform)
+        data = self._split(precision.tensor_bytes(red.stored), red.stored.element_size())
+        patch: list[_Chunk] = []
+        if red.patch_index is not None and red.patch_value is not None:
+            raw = (
+                precision.tensor_bytes(red.patch_index).tobytes()
+                + precision.tensor_bytes(red.patch_value).tobytes()
+            )
+            patch = self._split(memoryview(raw), 1)
+        return red, data, patch
+
+    def _split(self, view: memoryview, itemsize: int) -> list[_Chunk]:
+        step = max(itemsize, self.chunk_bytes - self.chunk_bytes % itemsize)
+        return [_Chunk(view[i : i + step], itemsize) for i in range(0, len(view), step)] or [
+            _Chunk(view, itemsize)
+        ]
+
+    def _put(self, chunk: _Chunk) -> tuple[list[Any], PendingWrite | None]:
+        """Returns ([blob id, codec, raw len, raw hash, encoded len], the pending write of a new
+        blob or None when identical content is already stored)."""
+        raw_len = len(chunk.view)
+        rh = codec.raw_hash(chunk.view)
+        hit = self.known.get((rh, raw_len))
+        if hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
+            return [hit[0], hit[1], raw_len, rh, hit[2]], None
+        # The pieces are written before this thread encodes its next chunk (they may live in the
+        # thread's reusable plane buffers); a raw chunk's blob id is its raw hash, no second pass.
+        name, parts = codec.encode_chunk_parts(chunk.view, chunk.itemsize, self.level)
+        bid = rh if name == "raw" else codec.parts_id(parts)
+        enc_len = sum(len(memoryview(p).cast("B")) for p in parts)
+        with self._begun_lock:  # identical chunks in one save: write the blob once
+            if bid in self._begun:
+                self.known[(rh, raw_len)] = (bid, name, enc_len)
+                return [bid, name, raw_len, rh, enc_len], None
+            self._begun.add(bid)
+        bid, pending = self.blobs.begin(parts, bid)
+        fault_point("blob.stored")
+        self.known[(rh, raw_len)] = (bid, name, enc_len)
+        return [bid, name, raw_len, rh, enc_len], pending
+
+    def persist(self, snap: Snapshot) -> CommitInfo:
+        t0 = time.perf_counter()
+        snap.wait_ready()
+        written = self.write_entries(snap, snap.items)
+        cid = uuid.uuid4().hex[:12]
+        rel = manifest_rel(snap.step, cid)
+        manifest_bytes = self.write_manifest(snap, cid, rel, written)
+        # IMPORTANT: the journal line below is the commit point. It is appended only after every
+        # blob and the manifest are durable; before it, this checkpoint does not exist.
+        self.commit(snap, cid, rel, manifest_bytes, written)
+        return CommitInfo(
+            snap.step,
+            cid,
+            rel,
+            written.bytes_new,
+            written.bytes_total,
+            written.bytes_raw,
+            time.perf_counter() - t0,
+            written.health,
+        )
+
+    def write_entries(self, snap: Snapshot, items: list[Any]) -> Written:
+        """Phase 1 for ``items``: every blob durable; returns their manifest entries."""
+        reduced = list(self.pool.map(lambda it: self._streams(it.tensor, it.plan.transform), items))
+        jobs: list[_Chunk] = []
+        layout: list[tuple[int, int, int]] = []  # per item: data chunk count, patch chunk count, patch n
+        for red, data, patch in reduced:
+            jobs.extend(data)
+            jobs.extend(patch)
+            n_patch = 0 if red.patch_index is None else red.patch_index.numel()
+            layout.append((len(data), len(patch), n_patch))
+        self._begun.clear()
+        results = _gather([self.pool.submit(self._put, job) for job in jobs], lambda r: r[1])
+        pending = [p for _, p in results if p is not None]
+        _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
+        health = snap.health
+        # Committed for inspection, never restored by default: weights (L1), then optimizer
+        # moments (L2), which would turn the weights into NaN at the first step after a resume.
+        for tier, verdict in (("L1", "nonfinite-weights"), ("L2", "nonfinite-moments")):
+            if health == "ok" and not all(
+                self.pool.map(all_finite, [i.tensor for i in items if i.plan.tier == tier])
+            ):
+                health = verdict
+        fault_point("blobs.durable")
+
+        entries: dict[str, Any] = {}
+        pos = 0
+        bytes_new = sum(r[0][4] for r in results if r[1] is not None)
+        bytes_total = sum(r[0][4] for r in results)
+        bytes_raw = 0
+        for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(items, reduced, layout, strict=True):
+            data_chunks = [r[0] for r in results[pos : pos + n_data]]
+            pos += n_data
+            patch_chunks = [r[0] for r in results[pos : pos + n_pchunks]]
+            pos += n_pchunks
+            bytes_raw += item.tensor.numel() * item.tensor.element_size()
+            entries[item.plan.key] = {
+                "tier": item.plan.tier,
+                "dtype": dtype_name(item.dtype),
+                "shape": item.shape,
+                "stored_dtype": dtype_name(red.stored.dtype),
+                "transform": red.transform,
+                "data": {"chunks": data_chunks},
+                "patch": {"n": n_patch, "chunks": patch_chunks} if n_patch else None,
+            }
+        return Written(entries, bytes_new, bytes_total, bytes_raw, health)
+
+    def write_manifest(
+        self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
+    ) -> bytes:
+        """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "store_id": self.store_id,
+            "id": cid,
+            "step": snap.step,
+            "health": written.health,
+            "calm": snap.calm,
+            "meta": {**snap.meta, "reason": snap.reason, "score": snap.score, "utc": _utc_now()},
+            "objects": snap.objects,
+            "entries": written.entries,
+            "not_stored": snap.dropped,
+            **(extra or {}),
+        }
+        manifest_bytes = encode_manifest(manifest)
+        self.storage.write(rel, manifest_bytes)
+        return manifest_bytes
+
+    def commit(
+        self,
+        snap: Snapshot,
+        cid: str,
+        rel: str,
+        manifest_bytes: bytes,
+        written: Written,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Phase 3, the commit point: append the journal ``commit`` line and fsync it."""
+        self.journal.append(
+            {
+                "event": "commit",
+                "step": snap.step,
+                "id": cid,
+                "manifest": rel,
+                "manifest_hash": codec.blob_id(manifest_bytes),
+                "health": written.health,
+                "calm": snap.calm,
+                "reason": snap.reason,
+                "score": snap.score,
+                "bytes_new": written.bytes_new,
+                "bytes_total": written.bytes_total,
+                **(extra or {}),
+            }
+        )
+
+
+@dataclass
+class Written:
+    """What phase 1 produced: manifest entries and byte counts."""
+
+    entries: dict[str, Any]
+    bytes_new: int
+    bytes_total: int
+    bytes_raw: int
+    health: str
+
+
+def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | None = None) -> list[Any]:
+    """All results, or — when any task failed — abort every pending write (no temporary file or
+    open descriptor outlives a failed save) and raise the first error."""
+    results, error = [], None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as err:
+            error = error or err
+    if error is not None:
+        for p in (cleanup or []) + [pending_of(r) for r in results if pending_of(r) is not None]:
+            p.abort()
+        raise error
+    return results
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def base_meta() -> dict[str, Any]:
+    """L5 metadata that does not change during a run."""
+    from smartckpt_cli.version import __version__
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "world_size": world,
+        "git_commit": _git_commit(),
+        "versions": {
+            "smartckpt": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
+    }

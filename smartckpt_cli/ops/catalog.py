@@ -1,0 +1,257 @@
+"""What a store holds, for ``smartckpt inspect``: one row per checkpoint, or one manifest in detail.
+
+Everything comes from the journal (what exists, in which order, pruned or rolled back, last
+verification) and the manifests (tiers, precision, chunk sizes); no blob is read. Bytes are the
+encoded bytes on disk: a checkpoint's *unique* bytes are those no other checkpoint still on disk
+references (what pruning it alone frees), the rest are *shared*.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from smartckpt_cli.errors import CheckpointCorrupt, UsageError
+from smartckpt_cli.store.checkpoints import candidates, read_manifest
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import CheckpointRecord
+
+__all__ = [
+    "Catalog",
+    "EntryRow",
+    "ManifestDetail",
+    "Row",
+    "active_writer",
+    "blob_sizes",
+    "describe",
+    "list_checkpoints",
+]
+
+
+@dataclass
+class Row:
+    step: int
+    id: str
+    state: str  # live | rolled back | pruned
+    utc: str | None
+    reason: str
+    score: float | None
+    health: str
+    tiers: list[str]
+    precision: str
+    bytes_total: int  # encoded bytes it references
+    bytes_unique: int  # ... that no other checkpoint on disk references
+    bytes_shared: int
+    bytes_written: int  # what its save wrote (journal)
+    verified: str  # ok | corrupt | never
+    verified_utc: str | None = None
+    verified_problem: str | None = None
+    restore_target: bool = False  # what a resume loads now (newest live healthy)
+    manifest_problem: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
+
+
+@dataclass
+class Catalog:
+    store_id: str | None
+    rows: list[Row]  # newest first
+    journal_problems: list[str]
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store_id": self.store_id,
+            "checkpoints": [r.to_json() for r in self.rows],
+            "journal_problems": self.journal_problems,
+            "save_failures": self.failures,
+        }
+
+
+def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
+    """Encoded size of every blob a manifest references, by blob id."""
+    out: dict[str, int] = {}
+    for entry in manifest.get("entries", {}).values():
+        for stream in (entry.get("data"), entry.get("patch")):
+            for chunk in (stream or {}).get("chunks", []):
+                out[str(chunk[0])] = int(chunk[4])
+    return out
+
+
+def _precision(manifest: dict[str, Any]) -> str:
+    kinds = {
+        (e.get("transform") or {}).get("kind", "none")
+        for e in manifest.get("entries", {}).values()
+        if e.get("tier") == "L2"
+    }
+    kinds.discard("none")
+    if not kinds:
+        return "exact"
+    return "+".join(sorted("fp16" if k == "sqrt_fp16" else k for k in kinds))
+
+
+def _state(rec: CheckpointRecord) -> str:
+    return "pruned" if rec.pruned else "rolled back" if rec.rolled_back else "live"
+
+
+def _verifications(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        if ev.get("event") == "verified" and isinstance(ev.get("id"), str):
+            out[ev["id"]] = ev
+    return out
+
+
+def list_checkpoints(store: StoreDir) -> Catalog:
+    state, events = store.journal.read_events(consistent=True)
+    checked = _verifications(events)
+    records = sorted(state.records, key=lambda r: r.position, reverse=True)
+    target = candidates(state.records)
+    target_id = target[0].id if target else None
+    manifests: dict[str, dict[str, Any]] = {}
+    problems: dict[str, str] = {}
+    for rec in records:
+        if rec.pruned:
+            continue
+        try:
+            manifests[rec.id] = read_manifest(store.storage, rec, state.store_id)
+        except CheckpointCorrupt as err:
+            problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
+        except OSError as err:
+            problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
+    sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    users: dict[str, int] = {}
+    for blobs in sizes.values():
+        for bid in blobs:
+            users[bid] = users.get(bid, 0) + 1
+    rows = []
+    for rec in records:
+        m = manifests.get(rec.id, {})
+        blobs = sizes.get(rec.id, {})
+        total = sum(blobs.values())
+        unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
+        ver = checked.get(rec.id)
+        meta = m.get("meta", {})
+        rows.append(
+            Row(
+                step=rec.step,
+                id=rec.id,
+                state=_state(rec),
+                utc=meta.get("utc"),
+                reason=rec.reason,
+                score=rec.score,
+                health=rec.health,
+                tiers=sorted({str(e.get("tier")) for e in m.get("entries", {}).values()}),
+                precision=_precision(m) if m else "",
+                bytes_total=total,
+                bytes_unique=unique,
+                bytes_shared=total - unique,
+                bytes_written=rec.bytes_new,
+                verified="never" if ver is None else "ok" if ver.get("ok") else "corrupt",
+                verified_utc=None if ver is None else ver.get("utc"),
+                verified_problem=None if ver is None else ver.get("problem"),
+                restore_target=rec.id == target_id,
+                manifest_problem=problems.get(rec.id),
+            )
+        )
+    return Catalog(state.store_id, rows, state.problems, state.failures)
+
+
+@dataclass
+class EntryRow:
+    key: str
+    tier: str
+    dtype: str
+    shape: list[int]
+    stored_dtype: str
+    transform: str
+    chunks: int
+    bytes_raw: int
+    bytes_stored: int  # encoded, on disk
+    patched: int  # values stored exactly beside a reduced-precision tensor
+
+
+@dataclass
+class ManifestDetail:
+    row: Row
+    manifest_path: str
+    meta: dict[str, Any]
+    objects: dict[str, str]  # name -> kind
+    entries: list[EntryRow]
+    not_stored: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.row.to_json(),
+            "manifest": self.manifest_path,
+            "meta": self.meta,
+            "objects": self.objects,
+            "entries": [asdict(e) for e in self.entries],
+            "not_stored": self.not_stored,
+        }
+
+
+def describe(store: StoreDir, step: int) -> ManifestDetail:
+    """The newest unpruned checkpoint of ``step``, tensor by tensor."""
+    catalog = list_checkpoints(store)
+    rows = [r for r in catalog.rows if r.step == step]
+    if not rows:
+        steps = ", ".join(str(r.step) for r in catalog.rows if r.state != "pruned") or "none"
+        raise UsageError(f"no checkpoint of step {step} in this store (steps: {steps})")
+    row = next((r for r in rows if r.state != "pruned"), rows[0])
+    if row.state == "pruned":
+        raise UsageError(f"step {step} was pruned; its manifest is gone")
+    state = store.journal.read()
+    rec = next(r for r in state.records if r.id == row.id)
+    manifest = read_manifest(store.storage, rec, state.store_id)
+    entries = []
+    for key, e in manifest.get("entries", {}).items():
+        chunks = list((e.get("data") or {}).get("chunks", []))
+        patch = e.get("patch") or {}
+        chunks += list(patch.get("chunks", []))
+        entries.append(
+            EntryRow(
+                key=key,
+                tier=str(e.get("tier")),
+                dtype=str(e.get("dtype")),
+                shape=[int(n) for n in e.get("shape", [])],
+                stored_dtype=str(e.get("stored_dtype")),
+                transform=str((e.get("transform") or {}).get("kind", "none")),
+                chunks=len(chunks),
+                bytes_raw=sum(int(c[2]) for c in chunks),
+                bytes_stored=sum(int(c[4]) for c in chunks),
+                patched=int(patch.get("n", 0)),
+            )
+        )
+    objects = {name: str(o.get("kind")) for name, o in manifest.get("objects", {}).items()}
+    meta = json.loads(json.dumps(manifest.get("meta", {})))
+    return ManifestDetail(row, rec.manifest, meta, objects, entries, list(manifest.get("not_stored", [])))
+
+
+def active_writer(store: StoreDir) -> str | None:
+    """Who holds the store's writer lock right now ("pid 123 on host"), or None. Read from
+    /proc/locks (Linux) without touching the lock: probing it could make a run that starts at
+    this moment fail to get it."""
+    path = store.meta_root / "writer.lock"
+    try:
+        st = path.stat()
+        with open("/proc/locks") as f:
+            locks = f.read().splitlines()
+    except OSError:
+        return None
+    for line in locks:
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+            continue
+        try:
+            inode = int(parts[5].rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if inode == st.st_ino:
+            try:
+                return path.read_text(errors="replace").strip() or f"pid {parts[4]}"
+            except OSError:
+                return f"pid {parts[4]}"
+    return None

@@ -1,0 +1,257 @@
+"""``smartckpt export``: one checkpoint as a standard file that loads without smartckpt.
+
+The checkpoint is read and verified completely (as a restore does), each registered object's
+``state_dict`` is rebuilt from its tagged-JSON skeleton and tensors (``statetree.unflatten``) and
+written as:
+
+- ``torch``: ``torch.save`` of ``{name: state_dict, ...}`` plus ``"smartckpt"`` metadata; with
+  ``--weights-only`` and a single model, that model's ``state_dict`` itself, so
+  ``model.load_state_dict(torch.load(out, weights_only=True))`` works as it is. The file is
+  checked with ``torch.load(weights_only=True)`` before it gets its name.
+- ``safetensors``: flat tensors named ``<object>/<path>`` (with ``--weights-only`` and a single
+  model, its own ``state_dict`` keys); the non-tensor state (hyperparameters, step counters) goes
+  into the header metadata as JSON.
+
+Values ``torch.load(weights_only=True)`` refuses are converted: NumPy arrays become tensors,
+bytes stay bytes. Entries of tier L4 (never stored) are exported as ``None``. The output is
+written to a temporary name and renamed: an existing file is never overwritten unless asked.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smartckpt_cli.engine.restore import load_checkpoint
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, UsageError
+from smartckpt_cli.state.dtypes import dtype_name
+from smartckpt_cli.state.tree import tensor_keys, unflatten
+from smartckpt_cli.store.checkpoints import candidates
+from smartckpt_cli.store.directory import StoreDir
+
+__all__ = ["FORMATS", "ExportResult", "build_state", "export"]
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("torch", "safetensors")
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    step: int
+    id: str
+    format: str
+    objects: list[str]
+    tensors: int
+    bytes: int
+    not_stored: list[str]
+
+
+def build_state(
+    manifest: dict[str, Any], tensors: dict[str, torch.Tensor], *, weights_only: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """Pure: {object name: state_dict} rebuilt from a loaded checkpoint, and the L4 keys that
+    were not stored (exported as None)."""
+    missing: list[str] = []
+    full = dict(tensors)
+    for obj in manifest["objects"].values():
+        for key in tensor_keys(obj["tree"]):
+            if key not in full:
+                missing.append(key)
+    out: dict[str, Any] = {}
+    for name, obj in manifest["objects"].items():
+        if weights_only and obj.get("kind") != "module":
+            continue
+        skeleton = _numpy_as_tensors(obj["tree"])
+        out[name] = unflatten(skeleton, _Defaulting(full))
+    return out, missing
+
+
+class _Defaulting(dict[str, Any]):
+    """Tensors by key; a key never stored (L4) reads as None."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def _numpy_as_tensors(node: Any) -> Any:
+    """``{"__np": key}`` (a NumPy array in the state) read back as a tensor: loadable with
+    ``torch.load(weights_only=True)``."""
+    if isinstance(node, list):
+        return [_numpy_as_tensors(v) for v in node]
+    if isinstance(node, dict):
+        if len(node) == 1 and "__np" in node:
+            return {"__t": node["__np"]}
+        return {k: _numpy_as_tensors(v) for k, v in node.items()}
+    return node
+
+
+def _pick(store: StoreDir, step: int | None) -> Any:
+    state = store.journal.read()
+    if step is None:
+        live = candidates(state.records)
+        if not live:
+            raise NoCheckpointError(f"{store.root} has no live healthy checkpoint to export")
+        return live[0], state.store_id
+    hit = sorted((r for r in state.records if r.step == step and not r.pruned), key=lambda r: -r.position)
+    if not hit:
+        steps = ", ".join(str(r.step) for r in candidates(state.records)) or "none"
+        raise UsageError(f"no checkpoint of step {step} in this store (live steps: {steps})")
+    return hit[0], state.store_id
+
+
+def export(
+    store: StoreDir,
+    out: Path,
+    *,
+    step: int | None = None,
+    fmt: str = "torch",
+    weights_only: bool = False,
+    force: bool = False,
+) -> ExportResult:
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if out.exists() and (out.is_dir() or not force):
+        raise UsageError(
+            f"{out} is a directory; give a file name"
+            if out.is_dir()
+            else f"{out} exists; choose another name or pass --force to replace it"
+        )
+    if not out.parent.is_dir():
+        raise UsageError(f"directory {out.parent} does not exist")
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--format safetensors needs the safetensors package (pip install safetensors)"
+            ) from None
+    for attempt in range(3):
+        rec, store_id = _pick(store, step)
+        try:
+            loaded = load_checkpoint(store.storage, store.blobs, rec, store_id)
+            break
+        except CheckpointCorrupt:
+            # A running job may prune the checkpoint while it is being read: that is not
+            # corruption. Pick again (the newest live one) unless a step was asked for.
+            pruned = any(r.id == rec.id and r.pruned for r in store.journal.read().records)
+            if not pruned or attempt == 2:
+                raise
+            if step is not None:
+                raise UsageError(
+                    f"step {rec.step} was pruned by the running job while being exported"
+                ) from None
+    state, missing = build_state(loaded.manifest, loaded.tensors, weights_only=weights_only)
+    if weights_only and not state:
+        raise UsageError(f"step {rec.step} holds no model (nn.Module) to export with --weights-only")
+    meta = {"step": rec.step, "id": rec.id, "store_id": store_id, "utc": loaded.manifest["meta"].get("utc")}
+    single = weights_only and len(state) == 1
+    payload: Any = next(iter(state.values())) if single else state
+    if fmt == "torch":
+        data = _torch_bytes(payload if single else {**state, "smartckpt": meta})
+    else:
+        data = _safetensors_bytes(payload, meta, single)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    n_tensors = sum(1 for _ in _tensors_of(payload))
+    return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing)
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:  # pragma: no cover - a value type torch's safe loader refuses
+        raise UsageError(f"the state cannot be exported for torch.load(weights_only=True): {err}") from err
+    return data
+
+
+def _tensors_of(node: Any, path: str = "") -> Any:
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _tensors_of(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(node, list | tuple):
+        for i, v in enumerate(node):
+            yield from _tensors_of(v, f"{path}/{i}" if path else str(i))
+
+
+def _skeleton(node: Any) -> Any:
+    """JSON of the non-tensor state: tensors replaced by their key in the file."""
+    if isinstance(node, torch.Tensor):
+        return "<tensor>"
+    if isinstance(node, dict):
+        return {str(k): _skeleton(v) for k, v in node.items()}
+    if isinstance(node, list | tuple):
+        return [_skeleton(v) for v in node]
+    if isinstance(node, bytes):
+        return node.hex()
+    if isinstance(node, float) and node != node:
+        return "nan"
+    if node is None or isinstance(node, bool | int | float | str):
+        return node
+    return str(node)
+
+
+def _safetensors_bytes(payload: Any, meta: dict[str, Any], single: bool) -> bytes:
+    from safetensors.torch import save
+
+    tensors = {}
+    for key, t in _tensors_of(payload):
+        if not _safetensors_has(t.dtype):
+            raise UsageError(
+                f"safetensors has no encoding for dtype {dtype_name(t.dtype)} (entry {key}); "
+                "use --format torch"
+            )
+        tensors[key] = t.detach().contiguous().clone() if not t.is_contiguous() else t.detach()
+    header = {"smartckpt": json.dumps(meta)}
+    if not single:
+        header["state"] = json.dumps(_skeleton(payload), allow_nan=True)
+    return bytes(save(_unshare(tensors), metadata=header))
+
+
+@cache
+def _safetensors_has(dtype: torch.dtype) -> bool:
+    """Whether the installed safetensors writes ``dtype`` so that it reads back as it was (asked
+    of its public ``save``/``load``, since the set grows with its versions; an odd length, since
+    some versions write float4 but cannot slice or read it)."""
+    from safetensors.torch import load, save
+
+    probe = torch.zeros(3, dtype=dtype)
+    try:
+        back = load(save({"probe": probe}))["probe"]
+    except Exception:  # safetensors raises KeyError, ValueError or its own SafetensorError
+        return False
+    return back.dtype == dtype and back.shape == probe.shape
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory (tied weights): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        out[k] = t.clone() if ptr in seen else t
+        if ptr >= 0:
+            seen.add(ptr)
+    return out

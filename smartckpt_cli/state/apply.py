@@ -1,0 +1,105 @@
+"""Load a verified checkpoint into the registered objects, in place.
+
+Everything is built and checked first (keys, shapes, optimizer parameter groups); only then is
+``load_state_dict`` called on each object, so a mismatch leaves every object untouched. Modules
+copy into their existing parameters, so optimizers keep their references.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from smartckpt_cli.errors import CheckpointCorrupt, StateMismatchError
+from smartckpt_cli.state.optstate import check_optimizer
+from smartckpt_cli.state.tree import find_mesh, flatten, tensor_keys, unflatten
+from smartckpt_cli.store.journal import CheckpointRecord
+
+__all__ = ["Loaded", "apply_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaded:
+    """One checkpoint read and verified into memory (by the engine's restore), ready to apply."""
+
+    record: CheckpointRecord
+    manifest: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    skipped_tiers: set[str] = field(default_factory=set)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"
+
+
+def _check_module(name: str, ckpt: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+    missing = sorted(set(current) - set(ckpt))
+    extra = sorted(set(ckpt) - set(current))
+    if missing:
+        raise StateMismatchError(
+            f"checkpoint has no entry for {missing[0]} ({len(missing)} missing in '{name}')"
+        )
+    if extra:
+        raise StateMismatchError(
+            f"checkpoint entry {extra[0]} does not exist in '{name}' ({len(extra)} unexpected)"
+        )
+    for key, t in ckpt.items():
+        if t.shape != current[key].shape:
+            raise StateMismatchError(
+                f"{key}: checkpoint shape {_shape(t)} does not match the model's {_shape(current[key])}"
+            )
+
+
+def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> None:
+    manifest = loaded.manifest
+    saved = manifest["objects"]
+    not_stored = set(manifest.get("not_stored", []))
+    entries = manifest["entries"]
+    plan: list[tuple[Any, Any]] = []
+    # Sharded (DTensor) entries are rebuilt on the live model's mesh (same world size).
+    mesh = next((m for _, o in objects.values() if (m := find_mesh(o.state_dict())) is not None), None)
+    for name, (kind, obj) in objects.items():
+        if name not in saved:
+            logger.warning(
+                "'%s' is not in the checkpoint of step %d; left as it is", name, loaded.record.step
+            )
+            continue
+        skeleton = saved[name]["tree"]
+        _, current = flatten(obj.state_dict(), name)
+        tensors: dict[str, torch.Tensor] = {}
+        reset_l2 = False
+        for key in tensor_keys(skeleton):
+            if key in loaded.tensors:
+                tensors[key] = loaded.tensors[key]
+            elif key in not_stored and key in current:
+                tensors[key] = current[key]  # L4: not stored, reset to the live value
+            elif key in not_stored:
+                raise StateMismatchError(
+                    f"{key} is not stored (tier L4) and '{name}' has no such entry now to keep"
+                )
+            elif "L2" in loaded.skipped_tiers and entries.get(key, {}).get("tier") == "L2":
+                reset_l2 = True
+                tensors[key] = torch.empty(0)
+            else:
+                raise CheckpointCorrupt(f"step {loaded.record.step}: entry {key} is missing", tier="L1")
+        sd = unflatten(skeleton, tensors, mesh)
+        if kind == "module":
+            _check_module(name, {k: t for k, t in tensors.items()}, current)
+        elif kind == "optimizer":
+            if reset_l2:
+                # L2 was corrupt and on_l2_corrupt="reset": keep hyperparameters, drop moments; the
+                # optimizer re-initialises them at its next step.
+                sd["state"] = {}
+            check_optimizer(name, sd, obj, saved[name].get("param_shapes"))
+        plan.append((obj, sd))
+    for obj, sd in plan:
+        try:
+            obj.load_state_dict(sd)
+        except (RuntimeError, ValueError, KeyError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise StateMismatchError(f"loading into {type(obj).__name__} failed: {first}") from err

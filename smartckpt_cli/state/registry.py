@@ -1,0 +1,46 @@
+"""What kind of state an object is, decided once per type (one registry, no isinstance chains
+scattered around). The kind selects the default tiers and the checks made on restore."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["adapt", "register_kind"]
+
+# (predicate, kind, wrap): the first predicate that matches wins.
+_KINDS: list[tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = []
+
+
+def register_kind(
+    predicate: Callable[[Any], bool], kind: str, wrap: Callable[[Any], Any] = lambda o: o
+) -> None:
+    _KINDS.append((predicate, kind, wrap))
+
+
+def _plain_dataloader(obj: Any) -> bool:
+    from torch.utils.data import DataLoader
+
+    return isinstance(obj, DataLoader) and not hasattr(obj, "state_dict")
+
+
+def _loader_state(obj: Any) -> Any:
+    from smartckpt_cli.state.data import LoaderState
+
+    return LoaderState.of(obj)
+
+
+register_kind(lambda o: isinstance(o, torch.nn.Module), "module")
+register_kind(lambda o: isinstance(o, torch.optim.Optimizer), "optimizer")
+register_kind(_plain_dataloader, "data", _loader_state)
+register_kind(lambda o: hasattr(o, "state_dict") and hasattr(o, "load_state_dict"), "state")
+
+
+def adapt(obj: Any) -> tuple[str, Any]:
+    """Returns (kind, object with state_dict/load_state_dict)."""
+    for predicate, kind, wrap in _KINDS:
+        if predicate(obj):
+            return kind, wrap(obj)
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}: it has no state_dict/load_state_dict")

@@ -1,6 +1,0 @@
-"""Storage backends: where bytes go. They know nothing of checkpoints or policy."""
-
-from smartckpt_cli.storage.base import Storage
-from smartckpt_cli.storage.local import LocalStorage, file_lock
-
-__all__ = ["LocalStorage", "Storage", "file_lock"]

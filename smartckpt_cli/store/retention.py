@@ -1,0 +1,101 @@
+"""What to keep: retention is decided purely from the journal, then carried out.
+
+Order (writer thread, after a commit): ``select_prunable`` → journal ``prune`` line → remove the
+manifests → ``collect_garbage`` removes blobs no remaining manifest references, manifests the
+journal never committed and temporary files of dead writers. The journal line comes first, so a
+crash halfway leaves checkpoints that are already marked gone, never ones that look whole but
+are not. Garbage collection holds ``gc.lock`` exclusively; a save in flight holds it shared, so
+blobs of a checkpoint being written are never taken for garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from smartckpt_cli._faults import fault_point
+from smartckpt_cli.errors import JournalError
+from smartckpt_cli.store.blobs import BlobStore
+from smartckpt_cli.store.journal import CheckpointRecord, Journal, record_manifests
+from smartckpt_cli.store.storage.base import Storage
+from smartckpt_cli.store.storage.local import file_lock
+
+__all__ = ["GC_LOCK", "collect_garbage", "collect_garbage_locked", "prune", "select_prunable"]
+
+logger = logging.getLogger(__name__)
+
+GC_LOCK = "gc.lock"
+
+
+def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[CheckpointRecord]:
+    """Healthy live checkpoints beyond the newest ``keep_last``, except the newest *calm* one:
+    saves taken while the trigger saw a risk (a precursor of a spike) must not evict the last
+    known-good state. Unhealthy checkpoints never count towards ``keep_last``, so they can never
+    push a healthy one out; they go once a newer healthy one exists. Rolled-back checkpoints are
+    kept: a rollback can be undone."""
+    live = sorted((r for r in records if r.live and r.health == "ok"), key=lambda r: r.position)
+    keep = max(1, keep_last)
+    calm = [r for r in live if r.calm]
+    known_good = calm[-1] if calm else None
+    unhealthy = [r for r in records if r.live and r.health != "ok"]
+    newest_ok = live[-1].position if live else -1
+    return [r for r in live[:-keep] if r is not known_good] + [r for r in unhealthy if r.position < newest_ok]
+
+
+def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
+    """Blobs a kept manifest references. A manifest that cannot be read stops garbage collection
+    (raises): treating it as referencing nothing would delete the blobs of a live checkpoint."""
+    try:
+        manifest = json.loads(storage.read(rel))
+    except FileNotFoundError:
+        return set()  # already gone: there is nothing left of it to protect
+    except (OSError, ValueError) as err:
+        raise JournalError(f"garbage collection stopped: cannot read manifest {rel}: {err}") from err
+    out: set[str] = set()
+    for entry in manifest.get("entries", {}).values():
+        for stream in (entry.get("data"), entry.get("patch")):
+            for chunk in (stream or {}).get("chunks", []):
+                out.add(chunk[0])
+    return out
+
+
+def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *, why: str) -> None:
+    if not doomed:
+        return
+    journal.append(
+        {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why}
+    )
+    fault_point("prune.in_progress")
+    for rec in doomed:
+        for rel in record_manifests(rec.event, rec.manifest):
+            storage.remove(rel)
+
+
+def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_root: Path) -> int:
+    """Remove unreferenced blobs, uncommitted manifests and dead temp files; returns bytes freed."""
+    with file_lock(meta_root / GC_LOCK):
+        return collect_garbage_locked(storage, blobs, journal)
+
+
+def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal) -> int:
+    """:func:`collect_garbage` for a caller that already holds ``gc.lock`` exclusively."""
+    freed = 0
+    state = journal.read()
+    kept = [r for r in state.records if not r.pruned]
+    # A multi-rank commit names one part manifest per rank; those on this disk are kept too.
+    kept_manifests = {m for r in kept for m in record_manifests(r.event, r.manifest)}
+    referenced: set[str] = set()
+    for rel in kept_manifests:
+        referenced |= _manifest_blobs(storage, rel)
+    for name in storage.list("manifests"):
+        rel = f"manifests/{name}"
+        if rel not in kept_manifests:
+            storage.remove(rel)
+    for bid in list(blobs.all_ids()):
+        if bid not in referenced:
+            freed += blobs.size(bid)
+            blobs.remove(bid)
+    for rel in blobs.leftovers():
+        storage.remove(rel)
+    return freed

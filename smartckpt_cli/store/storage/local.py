@@ -1,0 +1,204 @@
+"""Local filesystem backend: temp file, fsync, rename, fsync of the directory.
+
+The rename is what makes a file appear; the directory fsync is what makes the rename survive a
+power cut. Temporary names carry the pid so leftovers of a killed process are recognisable and
+collected later (``*.tmp.*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from smartckpt_cli._faults import fault_point
+from smartckpt_cli.store.storage.base import Buffer
+
+__all__ = ["TMP_MARK", "LocalStorage", "PendingWrite", "file_lock"]
+
+logger = logging.getLogger(__name__)
+
+TMP_MARK = ".tmp."
+_counter = itertools.count()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A directory on a local (or NFS) filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+    def begin(self, rel: str, data: Buffer | Sequence[Buffer]) -> PendingWrite:
+        """First half of an atomic write: the bytes go to a temporary file and the kernel starts
+        writing them back at once (``sync_file_range``), without waiting. Many files can be in
+        flight while the next ones are being encoded; ``PendingWrite.finish`` then makes each
+        durable and gives it its name. A crash in between leaves only a temporary file."""
+        final = self.path(rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}.{next(_counter)}")
+        parts: Sequence[Buffer] = [data] if isinstance(data, bytes | bytearray | memoryview) else data
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+            _start_writeback(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return PendingWrite(fd, tmp, final, "blob" if rel.startswith("blobs/") else "manifest")
+
+    def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
+        pending = self.begin(rel, data)
+        pending.sync_dir = sync_dir
+        pending.finish()
+
+    def read_view(self, rel: str) -> mmap.mmap | bytes:
+        """The file's bytes without copying them into the process (a read-only mapping)."""
+        with open(self.path(rel), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return b""
+            return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+    def sync_dirs(self, dirs: Iterable[str]) -> None:
+        """Make the names in ``dirs`` durable, and the directories themselves: a fan-out
+        directory (``blobs/ab``) made by this save exists after a power cut only once its parent
+        is fsynced too (POSIX does not promise it; ext4 and XFS happen to)."""
+        wanted = set(dirs)
+        parents = {str(Path(d).parent) for d in wanted if str(Path(d).parent) not in ("", ".")}
+        for d in sorted(wanted | parents, key=lambda d: (-d.count("/"), d)):  # children first
+            _fsync_dir(self.path(d))
+
+    def append(self, rel: str, data: bytes) -> None:
+        path = self.path(rel)
+        created = not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(path.parent)
+
+    def read(self, rel: str) -> bytes:
+        return self.path(rel).read_bytes()
+
+    def exists(self, rel: str) -> bool:
+        return self.path(rel).exists()
+
+    def size(self, rel: str) -> int:
+        return self.path(rel).stat().st_size
+
+    def list(self, rel_dir: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(rel_dir)))
+        except FileNotFoundError:
+            return []
+
+    def remove(self, rel: str) -> None:
+        try:
+            os.unlink(self.path(rel))
+        except FileNotFoundError:
+            pass
+
+
+class PendingWrite:
+    """A temporary file written but not yet durable nor named (see ``LocalStorage.begin``)."""
+
+    def __init__(self, fd: int, tmp: Path, final: Path, kind: str, sync_dir: bool = True) -> None:
+        self.fd, self.tmp, self.final, self.kind = fd, tmp, final, kind
+        self.sync_dir = sync_dir
+
+    def finish(self) -> None:
+        """fsync, rename to the final name, fsync the directory: a file never has its final name
+        before its content is durable (dedup trusts that a blob which exists is whole), and the
+        name is durable when this returns. Many finishes run at once and share the filesystem's
+        journal commits."""
+        try:
+            os.fsync(self.fd)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+        fault_point(f"{self.kind}.written")
+        os.replace(self.tmp, self.final)
+        fault_point(f"{self.kind}.renamed")
+        if self.sync_dir:
+            _fsync_dir(self.final.parent)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
+
+
+def _load_sync_file_range() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _load_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int) -> None:
+    # Linux: start writing the dirty pages now, asynchronously, so the disk works while the next
+    # chunks are encoded; the fsync in finish() then has little left to wait for. Elsewhere the
+    # fsync alone does the job.
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, shared: bool = False, blocking: bool = True) -> Iterator[int]:
+    """An fcntl lock on ``path`` (created if needed). Raises BlockingIOError when not blocking
+    and somebody else holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flags = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        if not blocking:
+            flags |= fcntl.LOCK_NB
+        try:
+            fcntl.flock(fd, flags)
+        except OSError as err:
+            if err.errno in (errno.EAGAIN, errno.EACCES):
+                raise BlockingIOError(err.errno, str(path)) from err
+            raise
+        yield fd
+    finally:
+        os.close(fd)

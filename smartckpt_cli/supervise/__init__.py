@@ -1,0 +1,8 @@
+"""``smartckpt run``'s own process: it watches the training, never imports torch and never
+imports the engine (it reads the heartbeat files the training writes).
+
+:mod:`.supervisor` (spawn, watch, forward signals, restart), :mod:`.policy` (what to do after an
+exit or a hang; pure), :mod:`.child` (the child's command, environment and the files it leaves),
+:mod:`.records` (run records under ``<dir>/runs/``), :mod:`.monitor` (CPU, memory and GPU use),
+:mod:`.slurm` (which job and attempt this is; requeue after a preemption).
+"""

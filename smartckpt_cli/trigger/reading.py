@@ -1,0 +1,22 @@
+"""One evaluation of the training signals, as the trigger sees it: plain numbers, no torch.
+
+:mod:`smartckpt_cli.trigger.signals` produces these on the device side; the trigger (pure), the trace and
+``smartckpt simulate`` only read them, so they need nothing heavier than this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SignalReading"]
+
+
+@dataclass(frozen=True)
+class SignalReading:
+    step: int
+    loss: float | None  # median-filtered loss at this evaluation
+    curvature: float | None  # None until three evaluations exist
+    grad_var: float | None
+    raw_loss: float | None = None  # the newest step's loss, unfiltered
+    update: float | None = None  # norm of the update planned at this step (signals.py)
+    memory: float | None = None  # fraction of the tightest memory ceiling in use (memory.py)
