@@ -62,6 +62,7 @@ def bench_run(tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess
     return json.loads(out.read_text()), work, proc
 
 
+@pytest.mark.slow
 def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
     res, work, proc = bench_run
     assert res["reps"] == REPS and 2.5e6 < res["params"] < 3.5e6
@@ -85,6 +86,7 @@ def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
     assert "training throughput, a save every 0.3 s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_throughput_figures_are_consistent(bench_run) -> None:
     tp = bench_run[0]["throughput"]
     assert tp["every_seconds"] == EVERY and tp["rounds"] == ROUNDS
@@ -130,6 +132,7 @@ def test_bench_refuses_a_device_it_cannot_use_in_one_line(tmp_path: Path, device
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.slow
 def test_bench_stopped_by_sigterm_keeps_its_finished_parts_and_cleans_up(tmp_path: Path) -> None:
     """A time limit's SIGTERM (the GPU check runs the bench under `timeout`): the JSON written
     after the first part stays, the checkpoints the bench wrote are removed."""

@@ -3,9 +3,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_plain_loop_example_runs_and_resumes(tmp_path, child_env):
     cmd = [
         sys.executable,
@@ -26,6 +29,7 @@ def test_plain_loop_example_runs_and_resumes(tmp_path, child_env):
     assert "starting at step 60" in second.stdout
 
 
+@pytest.mark.slow
 def test_demo_command_kills_resumes_and_matches(tmp_path, child_env):
     out = subprocess.run(
         [

@@ -27,7 +27,8 @@ from smartckpt_cli.store.directory import open_store
 from smartckpt_cli.store.storage.local import LocalStorage, PendingWrite
 from tests.faults.explorer import Recorder, clear_files, crash_states, materialise, read_tree
 
-pytestmark = pytest.mark.usefixtures("isolated")
+# Every crash or media fault on a real store, in a loop: end-to-end, out of the inner loop.
+pytestmark = [pytest.mark.usefixtures("isolated"), pytest.mark.slow]
 
 FULL_EVERY = 10  # one crash state in ten is restored through CheckpointManager itself
 

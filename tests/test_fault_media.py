@@ -28,7 +28,8 @@ from smartckpt_cli.errors import CheckpointCorrupt, JournalError, NoCheckpointEr
 from smartckpt_cli.store.directory import open_store
 from tests.faults.explorer import clear_files, materialise, read_tree
 
-pytestmark = pytest.mark.usefixtures("isolated")
+# Every crash or media fault on a real store, in a loop: end-to-end, out of the inner loop.
+pytestmark = [pytest.mark.usefixtures("isolated"), pytest.mark.slow]
 
 CASES = 1200
 FULL_EVERY = 10  # one case in ten restores through CheckpointManager itself

@@ -37,6 +37,10 @@ def _trace(lines: list[str]) -> dict[int, str]:
     return out
 
 
+# Real training processes killed with real signals: end-to-end, out of the inner loop.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")

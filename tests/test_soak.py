@@ -9,6 +9,7 @@ import gc
 import threading
 
 import psutil
+import pytest
 import torch
 
 import smartckpt_cli as sc
@@ -25,6 +26,7 @@ def _rss(proc: psutil.Process) -> int:
     return int(proc.memory_info().rss)
 
 
+@pytest.mark.slow
 def test_two_hundred_saves_keep_memory_fds_and_threads_flat(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 768), torch.nn.Linear(768, 512))
