@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -201,14 +199,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _keep_global_rng():
-    """restore() loads RNG state into this process; put the test process's back afterwards."""
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
+# restore() loads RNG state into this process: `isolated` puts the test process's back.
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
 def _fresh_objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
