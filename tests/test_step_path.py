@@ -19,16 +19,13 @@ import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine.cadence import DECIDE_LATENCY, StepClock, decide_gap
 from smartckpt_cli.engine.snapshot import _host_buffer
-from smartckpt_cli.trigger.policies import (
-    AdaptivePolicy,
-    Bounded,
-    FixedPolicy,
-    SeedPolicy,
-    TriggerContext,
-    make_policy,
-)
+from smartckpt_cli.trigger.adaptive import AdaptivePolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.context import TriggerContext
+from smartckpt_cli.trigger.policies import make_policy
 from smartckpt_cli.trigger.reading import SignalReading
 from smartckpt_cli.trigger.signals import BASE_EVERY, Signals, _planned_per_tensor
+from smartckpt_cli.trigger.simple import FixedPolicy, SeedPolicy
 
 # ------------------------------------------------------------------ quiet_until changes nothing
 

@@ -197,7 +197,7 @@ class _BenchPolicy:
     fire = False
 
     def should_save(self, ctx: Any) -> Any:
-        from smartckpt_cli.trigger.policies import Decision
+        from smartckpt_cli.trigger.context import Decision
 
         return Decision(self.fire, "bench")
 
