@@ -36,7 +36,7 @@ class AdaptivePolicy:
     z-score, |x − median| / (1.4826 · MAD), so no threshold depends on the model's loss or
     gradient scale and the natural noise of each signal sets its own yardstick:
 
-    * the planned update (signals.py: the norm of the step the optimizer is about to apply), on
+    * the planned update (planned.py: the norm of the step the optimizer is about to apply), on
       a log scale, *one-sided*: a surge is the direct cause of a loss spike — a learning rate
       that jumps, or a gradient far above Adam's running RMS (the usual mechanism of Adam's loss
       spikes) — and it is read before the weights move. A shrinking update is harmless.
