@@ -15,7 +15,7 @@ import _common as C
 import psutil
 
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench import build_model, train_step
+from smartckpt_cli.ops.bench_model import build_model, train_step
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import _common as C
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench import DEFAULT_BATCH, build_model, train_step
+from smartckpt_cli.ops.bench_model import DEFAULT_BATCH, build_model, train_step
 
 
 def _loop(model, opt, seconds: float, batch: int, device: torch.device, mgr=None):

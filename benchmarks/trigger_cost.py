@@ -1,7 +1,7 @@
 """What evaluating the trigger costs a training step (issue 4, must-show 3; target < 1%).
 
-A ~100M-parameter MLP with AdamW (smartckpt_cli.ops.bench.build_model) trains on ``--device``. Blocks of
-``--block`` steps alternate between a plain loop and the same loop calling
+A ~100M-parameter MLP with AdamW (smartckpt_cli.ops.bench_model.build_model) trains on
+``--device``. Blocks of ``--block`` steps alternate between a plain loop and the same loop calling
 ``CheckpointManager.step(step, loss=loss)`` with the default (adaptive) policy; the manager never
 saves (``min_interval`` = ``max_interval`` = 10⁹ s: the budget never forces a save and the
 policy's own saves are floored away), but its signals and policy run exactly as in training:
@@ -33,8 +33,8 @@ import _common as C
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench import build_model
-from smartckpt_cli.ops.bench import train_step as step_fn  # its input is made on the model's device
+from smartckpt_cli.ops.bench_model import build_model
+from smartckpt_cli.ops.bench_model import train_step as step_fn  # its input is made on the model's device
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from smartckpt_cli.version import __version__
 if TYPE_CHECKING:
     from smartckpt_cli.agent.runtime import start_step
     from smartckpt_cli.engine.manager import CheckpointManager, SaveHandle, StepResult
-    from smartckpt_cli.trigger.policies import seed_score
+    from smartckpt_cli.trigger.scores import seed_score
 
 # name -> module that defines it, imported on first access
 _LAZY = {
@@ -35,7 +35,7 @@ _LAZY = {
     "SaveHandle": "smartckpt_cli.engine.manager",
     "StepResult": "smartckpt_cli.engine.manager",
     "start_step": "smartckpt_cli.agent.runtime",
-    "seed_score": "smartckpt_cli.trigger.policies",
+    "seed_score": "smartckpt_cli.trigger.scores",
 }
 
 

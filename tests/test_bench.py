@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.ops.bench import RATIOS
+from smartckpt_cli.ops.bench_result import RATIOS
 from smartckpt_cli.ops.bench_throughput import CONTENDERS
 
 MEASURES = {

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from smartckpt_cli.trigger.memory import cgroup_ceilings
-from smartckpt_cli.trigger.policies import MemoryPressure
+from smartckpt_cli.trigger.pressure import MemoryPressure
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "leak_train.py"

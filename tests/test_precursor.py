@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import smartckpt_cli as sc
 from smartckpt_cli.simulate import SimConfig, TraceRow, replay
 from smartckpt_cli.store.directory import open_store
-from smartckpt_cli.trigger.policies import AdaptivePolicy, Bounded, TriggerContext
+from smartckpt_cli.trigger.adaptive import AdaptivePolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.context import TriggerContext
 from smartckpt_cli.trigger.signals import SignalReading, Signals
 
 JOLT = 30  # the step whose learning rate is multiplied by 400

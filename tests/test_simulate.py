@@ -31,7 +31,8 @@ from smartckpt_cli.simulate import (
     retained_before,
     simulate,
 )
-from smartckpt_cli.trigger.policies import Bounded, FixedPolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.simple import FixedPolicy
 from smartckpt_cli.trigger.trace import COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,16 +19,14 @@ import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine.cadence import DECIDE_LATENCY, StepClock, decide_gap
 from smartckpt_cli.engine.snapshot import _host_buffer
-from smartckpt_cli.trigger.policies import (
-    AdaptivePolicy,
-    Bounded,
-    FixedPolicy,
-    SeedPolicy,
-    TriggerContext,
-    make_policy,
-)
+from smartckpt_cli.trigger.adaptive import AdaptivePolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.context import TriggerContext
+from smartckpt_cli.trigger.planned import PlannedUpdate, _planned_per_tensor
+from smartckpt_cli.trigger.policies import make_policy
 from smartckpt_cli.trigger.reading import SignalReading
-from smartckpt_cli.trigger.signals import BASE_EVERY, Signals, _planned_per_tensor
+from smartckpt_cli.trigger.signals import BASE_EVERY, Signals
+from smartckpt_cli.trigger.simple import FixedPolicy, SeedPolicy
 
 # ------------------------------------------------------------------ quiet_until changes nothing
 
@@ -196,7 +194,7 @@ def test_the_planned_update_on_vectors_equals_the_one_tensor_at_a_time_form():
     model(torch.randn(4, 6)).pow(2).mean().backward()
     params = [p for g in opt.param_groups for p in g["params"]]
     sq = torch.stack([p.grad.pow(2).sum() for p in params])
-    got = Signals()._planned_update_sq(opt, params, sq)
+    got = PlannedUpdate().squared(opt, params, sq)
     want, i = torch.zeros(()), 0
     for g in opt.param_groups:
         n = len(g["params"])

@@ -315,7 +315,7 @@ def test_panel_and_status_line_render():
     from rich.console import Console
 
     from smartckpt_cli.cli.run import _panel, _status
-    from smartckpt_cli.supervise.supervisor import RunState
+    from smartckpt_cli.supervise.runstate import RunState
 
     st = RunState(run_id="r1", command="python train.py", step=120, loss=0.25, heartbeat=True,
                   child_state="training", checkpoint_step=100, checkpoint_seen=time.time() - 5, restarts=2)  # fmt: skip

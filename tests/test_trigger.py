@@ -11,17 +11,13 @@ import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.retention import select_prunable
-from smartckpt_cli.trigger.policies import (
-    AdaptivePolicy,
-    Bounded,
-    Decision,
-    SeedPolicy,
-    TriggerContext,
-    make_policy,
-    seed_score,
-    young_daly,
-)
+from smartckpt_cli.trigger.adaptive import AdaptivePolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.context import Decision, TriggerContext
+from smartckpt_cli.trigger.policies import make_policy
+from smartckpt_cli.trigger.scores import seed_score, young_daly
 from smartckpt_cli.trigger.signals import SignalReading, Signals, curvature
+from smartckpt_cli.trigger.simple import SeedPolicy
 
 
 def _sig(x):

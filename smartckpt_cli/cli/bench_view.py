@@ -7,7 +7,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from smartckpt_cli.ops.bench import RATIOS, BenchResult
+from smartckpt_cli.ops.bench_result import RATIOS, BenchResult
 
 _ROWS = [
     ("bound.copy", "lower bound: copy into preallocated buffers"),

@@ -21,7 +21,8 @@ from rich.table import Table
 from smartckpt_cli.config import load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
-from smartckpt_cli.supervise.supervisor import RunOptions, RunState, Supervisor
+from smartckpt_cli.supervise.runstate import RunOptions, RunState
+from smartckpt_cli.supervise.supervisor import Supervisor
 
 __all__ = ["run_command"]
 

@@ -26,7 +26,9 @@ leaves the figures it has:
    the bytes on disk and the restore time.
 
 smartckpt trains its own model (its manager's optimizer hooks are on it); the other contenders
-share a second model built the same way. No rich here: the CLI renders the result.
+share a second model built the same way (bench_model.py). No rich here: the CLI renders the
+result (bench_result.py). This module runs parts 1 and 3 and re-exports the names the CLI and
+``benchmarks/`` use.
 """
 
 from __future__ import annotations
@@ -36,159 +38,30 @@ import gc
 import logging
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from smartckpt_cli.errors import ConfigError
+from smartckpt_cli.ops.bench_model import (
+    DEFAULT_BATCH,
+    DEFAULT_PARAMS,
+    build_model,
+    resolve_device,
+    state_tensors,
+    train_step,
+)
+from smartckpt_cli.ops.bench_result import RATIOS, BenchResult
 from smartckpt_cli.ops.bench_savers import DcpSaver, Rotation, TorchSaver, dir_bytes
 from smartckpt_cli.ops.bench_throughput import Throughput, Trainer, run_throughput
 
 __all__ = ["RATIOS", "BenchResult", "build_model", "resolve_device", "run_bench", "train_step"]
 
 logger = logging.getLogger(__name__)
-
-# Defaults per device: the CPU bench keeps the figures the README has always shown; on a GPU
-# ~5 GB of state (the size the issue's targets are stated for) and a batch whose step takes a
-# large fraction of a second on an H200, as in a real fine-tune of such a model.
-DEFAULT_PARAMS = {"cpu": 100_000_000, "cuda": 400_000_000}
-DEFAULT_BATCH = {"cpu": 8, "cuda": 4096}
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """``cpu`` or ``cuda`` (None: CUDA when torch sees a device); a clear error otherwise."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be cpu or cuda, not {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-        raise ConfigError(
-            f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device here; use --device cpu"
-        )
-    return torch.device(name)
-
-
-def build_model(
-    params: int, *, width: int = 4096, device: str | torch.device = "cpu"
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """An MLP of about ``params`` parameters on ``device``, with AdamW state after one real step."""
-    width = min(width, max(64, int((params / 4) ** 0.5)))
-    layers = max(1, round(params / (width * width + width)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, device=device) for _ in range(layers)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    train_step(model, opt)
-    return model, opt
-
-
-def train_step(
-    model: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    batch: int = 8,
-    before_update: Callable[[], None] | None = None,
-) -> torch.Tensor:
-    """One forward/backward/AdamW step on a random batch made on the model's device; returns
-    the loss, left on the device. ``before_update`` runs between backward and the update."""
-    p = next(model.parameters())
-    loss = model(torch.randn(batch, p.shape[1], device=p.device)).pow(2).mean()
-    loss.backward()
-    if before_update is not None:
-        before_update()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
-
-
-_train_step = train_step  # the name benchmarks/ scripts used before
-
-
-def _state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [*model.state_dict().values()] + [
-        t for s in opt.state_dict()["state"].values() for t in s.values() if isinstance(t, torch.Tensor)
-    ]
-
-
-@dataclass
-class BenchResult:
-    params: int
-    state_bytes: int
-    reps: int
-    device: str = "cpu"
-    info: dict[str, Any] = field(default_factory=dict)  # device name, torch, batch, DCP staging...
-    samples: dict[str, list[float]] = field(default_factory=dict)
-    sizes: dict[str, int] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    throughput: Throughput | None = None
-    later_lazy_waits: list[float] = field(default_factory=list)  # every lazy save after the first
-    done: list[str] = field(default_factory=list)  # parts finished: first-save, throughput, saves
-
-    def add(self, name: str, value: float) -> None:
-        self.samples.setdefault(name, []).append(value)
-
-    def median(self, name: str) -> float | None:
-        vals = self.samples.get(name)
-        return statistics.median(vals) if vals else None
-
-    def ratio(self, a: str, b: str) -> float | None:
-        x, y = self.median(a), self.median(b)
-        return None if x is None or not y else x / y
-
-    def first_save(self) -> dict[str, Any]:
-        """The first lazy save's loop wait against every later lazy save's (issue 20: ≤ 2x)."""
-        first = self.median("smartckpt.first_lazy_loop_wait")
-        later = statistics.median(self.later_lazy_waits) if self.later_lazy_waits else None
-        return {
-            "first_loop_wait": first,
-            "later_loop_waits": self.later_lazy_waits,
-            "median_later_loop_wait": later,
-            "ratio": first / later if first is not None and later else None,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "params": self.params,
-            "state_bytes": self.state_bytes,
-            "reps": self.reps,
-            "device": self.device,
-            **self.info,
-            "parts_done": self.done,
-            "complete": self.done == ["first-save", "throughput", "saves"],
-            "median_seconds": {k: self.median(k) for k in self.samples},
-            "samples": self.samples,
-            "bytes_on_disk": self.sizes,
-            "ratios": {name: self.ratio(a, b) for name, (a, b) in RATIOS.items()},
-            "first_save": self.first_save(),
-            "throughput": self.throughput.to_json() if self.throughput is not None else None,
-            "notes": self.notes,
-        }
-
-
-# name -> (numerator, denominator): the figures the issue's targets are stated in.
-RATIOS: dict[str, tuple[str, str]] = {
-    "blocking / torch.save+fsync": ("smartckpt.blocking", "torch.save+fsync"),
-    "blocking / DCP async_save blocking": ("smartckpt.blocking", "dcp.async_save.blocking"),
-    "blocking / copy lower bound": ("smartckpt.blocking", "bound.copy"),
-    "lazy loop wait / copy lower bound": ("smartckpt.lazy_loop_wait", "bound.copy"),
-    "lazy loop wait / DCP async_save blocking": ("smartckpt.lazy_loop_wait", "dcp.async_save.blocking"),
-    "first lazy loop wait / later lazy loop wait": (
-        "smartckpt.first_lazy_loop_wait",
-        "smartckpt.lazy_loop_wait",
-    ),
-    "committed / torch.save+fsync": ("smartckpt.committed", "torch.save+fsync"),
-    "committed / DCP save": ("smartckpt.committed", "dcp.save"),
-    "committed / DCP async_save total": ("smartckpt.committed", "dcp.async_save.total"),
-    "committed / write lower bound": ("smartckpt.committed", "bound.write+fsync"),
-    "restore / torch.load+load_state_dict": ("smartckpt.restore", "torch.load+load_state_dict"),
-    "restore / DCP load": ("smartckpt.restore", "dcp.load"),
-}
 
 
 class _BenchPolicy:
@@ -197,7 +70,7 @@ class _BenchPolicy:
     fire = False
 
     def should_save(self, ctx: Any) -> Any:
-        from smartckpt_cli.trigger.policies import Decision
+        from smartckpt_cli.trigger.context import Decision
 
         return Decision(self.fire, "bench")
 
@@ -233,7 +106,7 @@ def run_bench(
     plain = Trainer(*build_model(params, device=dev), step_fn=step_fn)
     result = BenchResult(
         sum(p.numel() for p in plain.model.parameters()),
-        sum(t.numel() * t.element_size() for t in _state_tensors(plain.model, plain.opt)),
+        sum(t.numel() * t.element_size() for t in state_tensors(plain.model, plain.opt)),
         reps,
         device=dev.type,
     )
@@ -363,7 +236,7 @@ def _one_save_at_a_time(
 
     def bound_copy(rep: int) -> None:
         # Taken afresh: a load replaces the optimizer's state tensors.
-        tensors = _state_tensors(plain.model, plain.opt)
+        tensors = state_tensors(plain.model, plain.opt)
         if not buffers:  # allocated once, outside the timing, as any staging buffer is
             try:
                 buffers.extend(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors)

@@ -8,8 +8,8 @@ grad_var, score, decision; an optional ``onset`` column marks divergence onsets 
 run. The run is the span of the trace, from its first row to its last.
 
 **Replay.** Each policy (fixed interval, the seed's score, smartckpt's adaptive policy), wrapped
-in :class:`~smartckpt_cli.trigger.policies.Bounded` with the same ``min_interval``/``max_interval``, sees
-every row as a :class:`~smartckpt_cli.trigger.policies.TriggerContext` built as the manager builds it:
+in :class:`~smartckpt_cli.trigger.bounded.Bounded` with the same ``min_interval``/``max_interval``, sees
+every row as a :class:`~smartckpt_cli.trigger.context.TriggerContext` built as the manager builds it:
 ``now`` = the row's time, the newest save taken (or the start), the row's signals as the
 reading, ``save_cost``/``save_total``/``mtbf`` from the options. Policies are consulted on trace
 rows only (the manager consults them every step; with a trace of ``eval_every`` > 1, a fixed or

@@ -9,13 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from smartckpt_cli.simulate.replay import Save, SimConfig
-from smartckpt_cli.trigger.policies import (
-    AdaptivePolicy,
-    Bounded,
-    FixedPolicy,
-    Policy,
-    SeedPolicy,
-)
+from smartckpt_cli.trigger.adaptive import AdaptivePolicy
+from smartckpt_cli.trigger.bounded import Bounded
+from smartckpt_cli.trigger.policies import Policy
+from smartckpt_cli.trigger.simple import FixedPolicy, SeedPolicy
 
 
 @dataclass(frozen=True)

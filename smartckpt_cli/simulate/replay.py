@@ -8,10 +8,8 @@ from dataclasses import dataclass
 
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.simulate.trace import TraceRow
-from smartckpt_cli.trigger.policies import (
-    Policy,
-    TriggerContext,
-)
+from smartckpt_cli.trigger.context import TriggerContext
+from smartckpt_cli.trigger.policies import Policy
 from smartckpt_cli.trigger.reading import SignalReading
 
 

@@ -17,27 +17,25 @@ Order of events for one run::
 Every decision is made in ``runpolicy``; this module only carries them out. It never imports
 rich: it reports through ``on_event(level, message)`` and the :class:`RunState` it keeps
 current, which the CLI renders as a live panel or as log lines.
+
+This module is the loop; its parts: runstate.py (:class:`RunOptions`, :class:`RunState`),
+forward.py (the signals passed to the child, killing its tree), watch.py (heartbeats, the child's
+output, a hang's stack dump), restarts.py (work lost, rollback, diagnosis, the wait to restart).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
 import signal
 import subprocess
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from smartckpt_cli.config import Settings
 from smartckpt_cli.errors import SmartckptError
-from smartckpt_cli.hooks import _smartckpt_protocol as proto
-from smartckpt_cli.supervise.child import RunDir, alive, child_env, hooks_dir, interpreter_flags_warning
+from smartckpt_cli.supervise.child import RunDir, child_env, hooks_dir, interpreter_flags_warning
+from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
 from smartckpt_cli.supervise.policy import (
     EXIT_CRASH_LOOP,
@@ -56,53 +54,15 @@ from smartckpt_cli.supervise.records import (
     learned_mtbf,
     new_run_id,
 )
+from smartckpt_cli.supervise.restarts import crash_loop_diagnosis, record_lost, roll_back, wait_to_restart
+from smartckpt_cli.supervise.runstate import Emit, RunOptions, RunState
+from smartckpt_cli.supervise.watch import hang_kill, observe, relay
 
-__all__ = ["RunOptions", "RunState", "Supervisor"]
+__all__ = ["Supervisor"]
 
 logger = logging.getLogger(__name__)
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 HOOKS_GRACE = 20.0  # seconds after start without a hooks file before warning that hooks are not live
-STACK_WAIT = 5.0  # seconds to wait for a stack dump after SIGQUIT
-
-Emit = Callable[[str, str], None]
-
-
-@dataclass
-class RunOptions:
-    command: list[str]  # the full child command (``python train.py ...`` already expanded)
-    settings: Settings
-    sources: dict[str, str] = field(default_factory=dict)  # load_settings' sources
-    run_id: str | None = None
-    first_attempt: int = 0
-    poll: float = 0.2
-    # Where the child's output goes: None = inherited (straight to our stdout/stderr); a callable
-    # gets each line (stdout and stderr merged), so a live panel can print above itself.
-    output: Callable[[str], None] | None = None
-
-
-@dataclass
-class RunState:
-    """What the CLI shows; updated in place by the supervisor."""
-
-    run_id: str = ""
-    command: str = ""
-    attempt: int = 0
-    restarts: int = 0
-    pid: int | None = None
-    phase: str = "starting"  # starting | running | stopping | restarting | finished
-    step: int | None = None
-    loss: float | None = None
-    child_state: str = ""
-    heartbeat: bool = False
-    hooks_live: bool = False
-    checkpoint_step: int | None = None
-    checkpoint_seen: float | None = None  # wall time the supervisor first saw that checkpoint
-    checkpoints_taken: int = 0
-    hang_timeout: float | None = None
-    usage: Usage = field(default_factory=Usage)
-    started: float = field(default_factory=time.time)
 
 
 class Supervisor:
@@ -118,12 +78,8 @@ class Supervisor:
         self.state = RunState(run_id=self.run_id, command=" ".join(options.command))
         self.gpu = GpuMonitor()
         self.crash = CrashLoop(limit=self.s.crash_loop)
-        self._pending: list[int] = []
-        self._stop: int | None = None  # TERM/INT received
-        self._preempt: int | None = None  # USR1/USR2 received during this attempt
-        self._previous: dict[int, Any] = {}
+        self.signals = Forwarder(self.state, self.s.grace_period, self.emit)
         self._start_position = -1
-        self._stopping_since: float | None = None
         self._step_seen: dict[int, float] = {}
         self._last_pids: set[int] = set()
         self._last_usage: Usage | None = None
@@ -137,11 +93,11 @@ class Supervisor:
         warn = interpreter_flags_warning(self.opts.command)
         if warn:
             self.emit("warning", warn)
-        self._install()
+        self.signals.install()
         try:
             return self._loop()
         finally:
-            self._uninstall()
+            self.signals.uninstall()
             self.record.ended = time.time()
             self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
             self._save_record()
@@ -194,11 +150,16 @@ class Supervisor:
             verdict = self.crash.record(att.start_step, max_committed)
             failures_in_row = 1 if max_committed > att.start_step else failures_in_row + 1
             if verdict == "stop":
-                return self._finish("crash-loop", EXIT_CRASH_LOOP, self._diagnosis(att), "error")
+                return self._finish(
+                    "crash-loop",
+                    EXIT_CRASH_LOOP,
+                    crash_loop_diagnosis(att, self.record.attempts, self.s.crash_loop, self.crash.mark),
+                    "error",
+                )
             if verdict == "rollback":
-                self._rollback(att)
+                roll_back(self.store, att, self.s.crash_loop, self.emit)
             att.restart_from = self.store.newest_step()
-            self._lost(att)
+            record_lost(att, self._step_seen)
             if self.record.restarts >= self.s.max_restarts:
                 return self._finish(
                     "gave-up",
@@ -216,9 +177,11 @@ class Supervisor:
             )
             self._save_record()
             self.state.phase = "restarting"
-            if not self._between_attempts(att):
+            if not wait_to_restart(self.gpu, self._last_pids, att.delay, self.signals.take_stop, self.emit):
                 return self._finish(
-                    "stopped", 128 + int(self._stop or signal.SIGTERM), "stopped while waiting to restart"
+                    "stopped",
+                    128 + int(self.signals.stop or signal.SIGTERM),
+                    "stopped while waiting to restart",
                 )
             attempt_no += 1
             self.state.restarts += 1
@@ -273,12 +236,13 @@ class Supervisor:
             stdout=pipe,
             stderr=subprocess.STDOUT if pipe else None,
         )
-        relay = self._relay(proc)
+        relay_thread = relay(proc, self.opts.output)
         att = AttemptRecord(attempt, proc.pid, t_start, start_step)
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
         self.emit("info", f"attempt {attempt}: started pid {proc.pid} (restores step {start_step})")
-        self._preempt, self._stopping_since = None, None
+        fwd = self.signals
+        fwd.preempt, fwd.stopping_since = None, None
         tree = TreeMonitor(proc.pid)
         pids: set[int] = {proc.pid}
         clock = HangClock(override=self.s.hang_timeout)
@@ -289,20 +253,20 @@ class Supervisor:
         last_sample = 0.0
         while proc.poll() is None:
             now = time.monotonic()
-            self._forward(proc.pid)
+            fwd.forward(proc.pid)
             if (
-                self._stop is not None
-                and self._stopping_since is not None
-                and now - self._stopping_since > self.s.grace_period
+                fwd.stop is not None
+                and fwd.stopping_since is not None
+                and now - fwd.stopping_since > fwd.grace_period
             ):
                 self.emit("warning", f"grace period of {self.s.grace_period:g} s over: killing the child")
-                _killpg(proc.pid, signal.SIGKILL)
-                self._stopping_since = float("inf")
+                killpg(proc.pid, signal.SIGKILL)
+                fwd.stopping_since = float("inf")
             beats = files.beats()
             hooks = files.hooks_pids()
             self.state.hooks_live = bool(hooks)
             if beats:
-                self._observe(beats, clock, now, att, step_seen)
+                observe(beats, clock, now, att, step_seen, self.state)
             elif time.time() - t_start > HOOKS_GRACE and not warned_beat:
                 warned_beat = True
                 self.emit(
@@ -322,9 +286,9 @@ class Supervisor:
                     "`python`, or use a CheckpointManager in the script",
                 )
             self.state.hang_timeout = clock.timeout() if beats else None
-            if beats and self._stop is None and not hung and clock.hung(now):
+            if beats and fwd.stop is None and not hung and clock.hung(now):
                 hung = True
-                self._hang_kill(proc.pid, clock, att, hooks, files)
+                hang_kill(proc.pid, clock, att, hooks, files, self.emit)
             if now - last_sample >= 1.0:
                 last_sample = now
                 usage = tree.sample()
@@ -335,8 +299,8 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
-        if relay is not None:
-            relay.join(timeout=5.0)  # the rest of the output (orphans may keep the pipe open)
+        if relay_thread is not None:
+            relay_thread.join(timeout=5.0)  # the rest of the output (orphans may keep the pipe open)
         last = files.max_step()
         if last is not None:
             att.max_step = max(att.max_step or 0, last)
@@ -346,7 +310,7 @@ class Supervisor:
         # Whatever is left of the dead attempt's group (DataLoader workers, torchrun workers)
         # would hold the store's writer lock and GPU memory: it goes with it.
         if proc.returncode != 0:
-            _killpg(proc.pid, signal.SIGKILL)
+            killpg(proc.pid, signal.SIGKILL)
         committed = self.store.commits_since(position)
         att.max_committed = max([*committed, start_step])
         self._checkpoint_seen(position)
@@ -362,41 +326,9 @@ class Supervisor:
             (oom_before is not None and oom_after is not None and oom_after > oom_before)
             or near_memory_limit(usage)
         )
-        stop = self._stop if self._stop is not None and self._stopping_since is not None else None
-        end = AttemptEnd(proc.returncode, progressed, error, hung, stop, self._preempt, oom)
+        stop = fwd.stop if fwd.stop is not None and fwd.stopping_since is not None else None
+        end = AttemptEnd(proc.returncode, progressed, error, hung, stop, fwd.preempt, oom)
         return att, end
-
-    def _relay(self, proc: subprocess.Popen[bytes]) -> threading.Thread | None:
-        out, sink = proc.stdout, self.opts.output
-        if out is None or sink is None:
-            return None
-
-        def pump() -> None:
-            for raw in iter(out.readline, b""):
-                sink(raw.decode(errors="replace").rstrip("\n"))
-            out.close()
-
-        t = threading.Thread(target=pump, name="smartckpt-child-output", daemon=True)
-        t.start()
-        return t
-
-    def _observe(
-        self,
-        beats: list[proto.Beat],
-        clock: HangClock,
-        now: float,
-        att: AttemptRecord,
-        seen: dict[int, float],
-    ) -> None:
-        step = min(b.step for b in beats)
-        paused = any(b.state in (proto.SAVING, proto.RESTORING) for b in beats)
-        clock.observe(step, paused, now)
-        lead = min(beats, key=lambda b: (b.rank if b.rank >= 0 else 0, b.pid))
-        self.state.heartbeat = True
-        self.state.step, self.state.child_state = step, lead.state_name
-        self.state.loss = lead.loss if lead.loss == lead.loss else None
-        att.max_step = max(att.max_step or 0, step)
-        seen.setdefault(step, time.time())
 
     def _checkpoint_seen(self, position: int) -> None:
         newest = self.store.newest_step()
@@ -404,162 +336,8 @@ class Supervisor:
             self.state.checkpoint_step, self.state.checkpoint_seen = newest, time.time()
         self.state.checkpoints_taken = len(self.store.commits_since(self._start_position))
 
-    def _hang_kill(
-        self, pid: int, clock: HangClock, att: AttemptRecord, hooks: list[int], files: RunDir
-    ) -> None:
-        self.emit(
-            "warning",
-            f"the child hangs: no progress past step {clock.last_step} for "
-            f"{clock.timeout() or 0:.0f} s (hang timeout); dumping stacks and killing it",
-        )
-        live = [p for p in hooks if alive(p)]
-        for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, getattr(signal, proto.STACK_SIGNAL_NAME))
-        dumps: list[str] = []
-        deadline = time.monotonic() + STACK_WAIT
-        while live and time.monotonic() < deadline and len(dumps) < len(live):
-            dumps = [files.stacks(p) for p in live]
-            dumps = [d for d in dumps if os.path.exists(d) and os.path.getsize(d) > 0]
-            time.sleep(0.2)
-        time.sleep(0.3)  # let faulthandler finish writing
-        if dumps:
-            att.stacks = dumps[0]
-            head = Path(dumps[0]).read_text(errors="replace").splitlines()[:25]
-            self.emit("warning", f"stacks of the hung child in {', '.join(dumps)}:\n" + "\n".join(head))
-        else:
-            self.emit("warning", "no stack dump: the hooks are not live in the hung process")
-        _killpg(pid, signal.SIGKILL)
-
-    # ------------------------------------------------------------------ between attempts
-
-    def _lost(self, att: AttemptRecord) -> None:
-        """Steps and wall time the restart throws away: from the checkpoint it restores to the
-        attempt's death (the whole attempt when it never reached that checkpoint)."""
-        frm = att.restart_from if att.restart_from is not None else att.start_step
-        if att.max_step is not None:
-            att.steps_lost = max(0, att.max_step - frm)
-        # The first time a heartbeat showed the restored step or later (polls skip fast steps).
-        seen = [t for step, t in self._step_seen.items() if step >= frm]
-        reached = min(seen) if seen and frm >= att.start_step else None
-        att.seconds_lost = att.ended - (reached if reached is not None else att.started)
-
-    def _rollback(self, att: AttemptRecord) -> None:
-        steps = self.store.live_steps()
-        bad = att.start_step
-        prev = next((s for s in steps if s < bad), 0)
-        why = (
-            f"crash loop: {self.s.crash_loop} attempts died without getting past the checkpoint of step {bad}"
-        )
-        self.store.rollback(prev, why)
-        att.rollback_to = prev
-        self.emit(
-            "warning", f"{why}; rolled back to step {prev} (the checkpoint of step {bad} is kept, marked)"
-        )
-
-    def _diagnosis(self, att: AttemptRecord) -> str:
-        stuck = [
-            a for a in self.record.attempts if a.start_step == att.start_step or a.rollback_to is not None
-        ]
-        causes = sorted({a.cause for a in self.record.attempts[-self.s.crash_loop - 1 :] if a.cause})
-        where = f"step {att.max_step}" if att.max_step is not None else "an unknown step"
-        rb = next((a.rollback_to for a in reversed(self.record.attempts) if a.rollback_to is not None), None)
-        text = (
-            f"crash loop: attempts keep dying at {where} without getting past the checkpoint of step "
-            f"{self.crash.mark if self.crash.mark is not None else att.start_step}"
-        )
-        if rb is not None:
-            text += f"; rolling back to step {rb} did not help"
-        text += f" ({len(stuck)} attempts; cause: {'; '.join(causes)}). "
-        text += "The failure is deterministic at that point of training: look at the data at that step"
-        if att.stacks:
-            text += f" and the stack dump {att.stacks}"
-        elif att.error:
-            text += f" and the error: {att.error.get('type')}: {att.error.get('message')}"
-        return text + ". Not restarting."
-
-    def _between_attempts(self, att: AttemptRecord) -> bool:
-        """Wait for the GPU memory of the dead attempt and the backoff; False when stopped."""
-        freed, waited = self.gpu.wait_freed(self._last_pids, timeout=120.0)
-        if waited > 0.5:
-            self.emit("info", f"waited {waited:.1f} s for the dead attempt's GPU memory to be freed")
-        if not freed:
-            self.emit(
-                "warning", "GPU memory of the dead attempt is still held after 120 s; restarting anyway"
-            )
-        deadline = time.monotonic() + att.delay
-        while time.monotonic() < deadline:
-            if self._take_stop():
-                return False
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        return not self._take_stop()
-
-    def _take_stop(self) -> bool:
-        while self._pending:
-            sig = self._pending.pop(0)
-            if sig in STOP_SIGNALS:
-                self._stop = sig
-                return True
-        return False
-
-    # ------------------------------------------------------------------ signals
-
-    def _install(self) -> None:
-        for sig in FORWARDED:
-            self._previous[sig] = signal.signal(sig, self._handler)
-
-    def _uninstall(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def _handler(self, signum: int, _frame: Any) -> None:
-        self._pending.append(signum)
-
-    def _forward(self, pid: int) -> None:
-        while self._pending:
-            sig = self._pending.pop(0)
-            name = signal.Signals(sig).name
-            if sig in STOP_SIGNALS:
-                if self._stopping_since is not None:  # a second one: no more waiting
-                    self.emit("warning", f"second {name}: killing the child now")
-                    _killpg(pid, signal.SIGKILL)
-                    continue
-                self._stop, self._stopping_since = sig, time.monotonic()
-                self.state.phase = "stopping"
-                self.emit(
-                    "warning",
-                    f"{name} received: passed to the child, which saves and exits "
-                    f"(killed after {self.s.grace_period:g} s)",
-                )
-            else:
-                self._preempt = sig
-                self.emit("info", f"{name} received: passed to the child")
-            _killpg(pid, sig)
-
     def _save_record(self) -> None:
         try:
             self.record.save()
         except OSError as err:
             self.emit("warning", f"cannot write the run record {self.record.path()}: {err}")
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    # A SIGKILL must reach every descendant: torchrun starts each rank in a session of its own, so
-    # the child's process group alone would leave ranks running (holding ports, GPUs, the store).
-    # They are listed before the kill, while they are still the child's descendants.
-    tree = _descendants(pgid) if sig == signal.SIGKILL else []
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-    for pid in tree:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _descendants(pid: int) -> list[int]:
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []

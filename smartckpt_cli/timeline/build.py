@@ -88,7 +88,7 @@ def _thresholds(policy: str, threshold: float) -> dict[str, float]:
     if policy == "seed":
         return {"threshold": threshold}
     if policy == "adaptive":
-        from smartckpt_cli.trigger.policies import AdaptivePolicy
+        from smartckpt_cli.trigger.adaptive import AdaptivePolicy
 
         # The adaptive risk is sigmoid(2 (z - 4)) of the signals' robust z; below 0.5 a save is
         # calm, and z >= alarm_z on the variance or the planned update raises the alarm.

@@ -18,5 +18,5 @@ class SignalReading:
     curvature: float | None  # None until three evaluations exist
     grad_var: float | None
     raw_loss: float | None = None  # the newest step's loss, unfiltered
-    update: float | None = None  # norm of the update planned at this step (signals.py)
+    update: float | None = None  # norm of the update planned at this step (planned.py)
     memory: float | None = None  # fraction of the tightest memory ceiling in use (memory.py)

@@ -1,7 +1,7 @@
 """The signal trace of a run: one CSV line per evaluation, in ``<meta_dir>/traces/``.
 
 Columns: step, time (UTC seconds), loss (median-filtered), curvature, grad_var, update (the norm
-of the optimizer update planned at that step, signals.py), memory (the fraction in use of the
+of the optimizer update planned at that step, planned.py), memory (the fraction in use of the
 tightest memory ceiling, memory.py; empty where none is known), score, decision (empty, or the
 reason of the save it triggered; a save "precursor: ..." holds the state of the step before).
 ``smartckpt simulate`` replays these files (older ones, without ``update`` or ``memory``, too).
