@@ -7,7 +7,13 @@ each ``iter(loader)`` and counts the batches handed to the training loop. On res
 ``iter(loader)`` puts the generators back to the epoch's start and skips the consumed batches at
 the *index* level (no sample is loaded twice), so the following batch is the one an uninterrupted
 run would have seen. ``torchdata``'s ``StatefulDataLoader`` has its own ``state_dict`` and is used
-as is.
+as is (at another world size it is not loaded: :func:`load_stateful_loader`).
+
+With a ``DistributedSampler`` the state also records the *data position* in samples of the epoch's
+global order (see :mod:`smartckpt_cli.state.data_reshard`). Loaded on a rank of another world size,
+the next ``iter(loader)`` hands this rank its share of the rest of the epoch, cut into the live
+loader's batches; the epochs after it are the live sampler's own. At the same world size (and the
+same batch size) the exact path above is kept.
 
 Without a seeded generator the shuffling draws from the global torch RNG when the epoch starts;
 that order cannot be replayed, so a warning says so at registration.
@@ -21,9 +27,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["LoaderState"]
+from smartckpt_cli.errors import StateMismatchError
+from smartckpt_cli.state.data_reshard import (
+    batches_of,
+    consumed_positions,
+    deal,
+    dealt_len,
+    epoch_order,
+    remainder_indices,
+)
+
+__all__ = ["LoaderState", "load_stateful_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +71,24 @@ class _SkipOnce:
 
     def __len__(self) -> int:
         return len(self.inner)
+
+
+class _RemainderOnce:
+    """Wraps the index sampler so its first iteration yields ``items`` (the rest of an epoch
+    carried from another dealing), then passes through to the sampler itself."""
+
+    def __init__(self, inner: Any, items: list[Any]) -> None:
+        self.inner = inner
+        self.items: list[Any] | None = items
+        self._len: int | None = len(items)
+
+    def __iter__(self) -> Iterator[Any]:
+        items, self.items = self.items, None
+        self._len = None if items is None else len(items)
+        return iter(self.inner) if items is None else iter(items)
+
+    def __len__(self) -> int:
+        return len(self.inner) if self._len is None else self._len
 
 
 class _Counting:
@@ -91,8 +125,7 @@ def _tracked_class(cls: type) -> type:
 
         def _index_sampler(self: Any) -> Any:
             inner = cls._index_sampler.fget(self)  # type: ignore[attr-defined]
-            skip = self._smartckpt_tracker._take_skip()
-            return _SkipOnce(inner, skip) if skip else inner
+            return self._smartckpt_tracker._wrap_index_sampler(inner)
 
         _tracked_classes[cls] = type(
             f"SmartckptTracked{cls.__name__}",
@@ -121,6 +154,15 @@ class LoaderState:
         self._pending: dict[str, Any] | None = None
         self._skip = 0
         self._creating = False
+        # Data position (DistributedSampler only): the current iterator's dealing, the samples of
+        # it consumed before this iterator, and its length per rank.
+        self._dealing: dict[str, Any] | None = None
+        self._base = 0
+        self._dealt = 0
+        self._world = 1
+        self._carry: dict[str, Any] | None = None  # planned by load_state_dict, used by the next iter
+        self._remainder: list[Any] | None = None
+        self._reshard_note: str | None = None
         if not _generators(loader) and not _dist_samplers(loader) and _shuffles(loader):
             logger.warning(
                 "DataLoader shuffles without a seeded generator: the data order after a resume will "
@@ -129,25 +171,44 @@ class LoaderState:
         loader._smartckpt_tracker = self
         loader.__class__ = _tracked_class(type(loader))
 
-    def _take_skip(self) -> int:
+    def _wrap_index_sampler(self, inner: Any) -> Any:
         # Only the iterator being created gets the skip; len(loader) also reads _index_sampler.
         if not self._creating:
-            return 0
+            return inner
         skip, self._skip = self._skip, 0
-        return skip
+        rest, self._remainder = self._remainder, None
+        if rest is not None:
+            return _RemainderOnce(inner, rest)
+        return _SkipOnce(inner, skip) if skip else inner
 
     def _start_epoch(self, make_iter: Any) -> Any:
         resume, self._pending = self._pending, None
+        carry, self._carry = self._carry, None
         if resume is not None:
             for g, st in zip(_generators(self.loader), resume["generators"], strict=False):
                 g.set_state(st)
             for s, ep in zip(_dist_samplers(self.loader), resume["sampler_epochs"], strict=False):
                 s.set_epoch(ep)
-            self._skip = int(resume["batches"])
+            if carry is None:
+                self._skip = int(resume["batches"])
         self._epoch_start = {
             "generators": [g.get_state() for g in _generators(self.loader)],
             "sampler_epochs": [int(s.epoch) for s in _dist_samplers(self.loader)],
         }
+        self._world = _live_world(self.loader)
+        if carry is not None:
+            self._remainder = (
+                carry["indices"]
+                if self.loader.batch_size is None
+                else batches_of(carry["indices"], self.loader.batch_size, self.loader.drop_last)
+            )
+            self._dealing, self._base, self._dealt = carry["dealing"], carry["base"], carry["dealt"]
+        else:
+            self._dealing, self._base, self._dealt = _fresh_dealing(self.loader), 0, 0
+            if self._dealing is not None:
+                self._dealt = dealt_len(
+                    self._dealing["len"], self._dealing["world"], self._dealing["drop_last"]
+                )
         self.epochs = resume["epochs"] if resume is not None else self.epochs + 1
         self.batches = self._skip
         self._creating = True
@@ -163,13 +224,109 @@ class LoaderState:
             return dict(self._pending)
         if self._epoch_start is None:
             return {"epochs": 0, "batches": 0, "generators": [], "sampler_epochs": [], "started": False}
-        return {"epochs": self.epochs, "batches": self.batches, "started": True, **self._epoch_start}
+        state = {"epochs": self.epochs, "batches": self.batches, "started": True, **self._epoch_start}
+        state["world"] = self._world
+        if self._dealing is not None:
+            size = _batch_size(self.loader)
+            samples = min(self._dealt, self._base + self.batches * size)
+            state["position"] = {**self._dealing, "samples": samples, "base": self._base, "batch_size": size}
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, world: int | None = None) -> None:
+        """Load a state for the next ``iter(loader)``. A state saved at another world size (its
+        ``world`` differs from the live ``DistributedSampler``'s ``num_replicas``) carries the data
+        position: this rank gets its share of the rest of the epoch. ``world``: the world size the
+        checkpoint was written at, for states that do not record it (written before elastic
+        resume); without it such a state is taken to be from this world size.
+
+        Raises :class:`~smartckpt_cli.errors.StateMismatchError` when the position cannot move to
+        this world size (no ``DistributedSampler``, a user ``batch_sampler``, an old state)."""
+        self._reshard_note = None
+        self._carry = None
         self._pending = dict(state) if state.get("started") else None
         if self._pending is not None:
+            self._carry = self._plan(state, world)
             self.epochs = int(state["epochs"])
             self.batches = int(state["batches"])
+
+    def describe_reshard(self) -> str | None:
+        """One line for the log when the last :meth:`load_state_dict` carried the data position to
+        another world size, e.g. ``data position carried: epoch 3, 1200 of 5000 samples consumed,
+        rest dealt to 4 ranks``; None otherwise."""
+        return self._reshard_note
+
+    def _plan(self, state: dict[str, Any], world: int | None) -> dict[str, Any] | None:
+        """None for the exact path (skip the consumed batches); else the rest of the epoch."""
+        live = _live_world(self.loader)
+        saved = state.get("world", world)
+        pos = state.get("position")
+        if saved is None or int(saved) == live:
+            if pos is None or (
+                pos["prefix"] == 0 and pos["base"] == 0 and pos["batch_size"] == _batch_size(self.loader)
+            ):
+                return None
+            # Same world, but the dealing started mid-epoch (an earlier elastic resume) or the
+            # batch size changed: continue the same dealing, sample by sample.
+            ds = self._reshardable(pos, int(pos["world"]), live)
+            share = deal(
+                epoch_order(pos["len"], pos["seed"], pos["epoch"], pos["shuffle"])[pos["prefix"] :],
+                int(pos["world"]),
+                ds.rank,
+                bool(pos["drop_last"]),
+            )
+            done = min(len(share), int(pos["samples"]))
+            dealing = {k: pos[k] for k in _DEALING_KEYS}
+            return {
+                "indices": share[done:],
+                "dealing": {**dealing, "rank": ds.rank},
+                "base": done,
+                "dealt": len(share),
+            }
+        ds = self._reshardable(pos, int(saved), live)
+        assert pos is not None
+        start = consumed_positions(
+            pos["len"], pos["prefix"], pos["world"], pos["samples"], bool(pos["drop_last"])
+        )
+        indices = remainder_indices(
+            pos["len"],
+            pos["seed"],
+            pos["epoch"],
+            bool(pos["shuffle"]),
+            pos["prefix"],
+            pos["world"],
+            pos["samples"],
+            live,
+            ds.rank,
+            ds.drop_last,
+            old_drop_last=bool(pos["drop_last"]),
+        )
+        self._reshard_note = (
+            f"data position carried: epoch {pos['epoch']}, {start} of {pos['len']} samples consumed, "
+            f"rest dealt to {live} ranks"
+        )
+        dealing = {
+            **{k: pos[k] for k in ("len", "seed", "shuffle", "epoch")},
+            "drop_last": ds.drop_last,
+            "prefix": start,
+            "world": live,
+            "rank": ds.rank,
+        }
+        return {"indices": indices, "dealing": dealing, "base": 0, "dealt": len(indices)}
+
+    def _reshardable(self, pos: dict[str, Any] | None, saved: int, live: int) -> Any:
+        """The live DistributedSampler, or StateMismatchError naming why the data position
+        recorded at ``saved`` ranks cannot be carried to ``live`` ranks."""
+        why = _why_not_reshardable(self.loader)
+        if why is None and pos is None:
+            why = "the checkpoint records no data position (it predates elastic resume)"
+        sampler = self.loader.sampler
+        if why is None and pos is not None and len(sampler.dataset) != pos["len"]:  # type: ignore[attr-defined]
+            why = f"the dataset has {len(sampler.dataset)} samples, the checkpoint's had {pos['len']}"  # type: ignore[attr-defined]
+        if why is not None:
+            raise StateMismatchError(
+                f"cannot carry the DataLoader's position from {saved} to {live} rank(s): {why}"
+            )
+        return sampler
 
 
 def _shuffles(loader: DataLoader[Any]) -> bool:
@@ -177,3 +334,67 @@ def _shuffles(loader: DataLoader[Any]) -> bool:
 
     samplers = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
     return any(isinstance(s, RandomSampler) for s in samplers)
+
+
+_DEALING_KEYS = ("len", "seed", "shuffle", "epoch", "drop_last", "prefix", "world")
+
+
+def _batch_size(loader: DataLoader[Any]) -> int:
+    return int(loader.batch_size) if loader.batch_size is not None else 1
+
+
+def _why_not_reshardable(loader: DataLoader[Any]) -> str | None:
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        return "the DataLoader was given its own batch_sampler"
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        return f"its sampler is a {type(sampler).__name__}, not a torch.utils.data.DistributedSampler"
+    if type(sampler).__iter__ is not DistributedSampler.__iter__:
+        return f"its sampler {type(sampler).__name__} overrides DistributedSampler's order"
+    return None
+
+
+def _fresh_dealing(loader: DataLoader[Any]) -> dict[str, Any] | None:
+    """The dealing a live DistributedSampler is about to iterate (the whole epoch), or None."""
+    if _why_not_reshardable(loader) is not None:
+        return None
+    s: Any = loader.sampler
+    return {
+        "len": len(s.dataset),
+        "seed": int(s.seed),
+        "shuffle": bool(s.shuffle),
+        "epoch": int(s.epoch),
+        "drop_last": bool(s.drop_last),
+        "prefix": 0,
+        "world": int(s.num_replicas),
+        "rank": int(s.rank),
+    }
+
+
+def _live_world(loader: DataLoader[Any]) -> int:
+    """The world size this loader's data is dealt to: its DistributedSampler's ``num_replicas``,
+    else torch.distributed's world size, else 1."""
+    for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(s, DistributedSampler):
+            return int(s.num_replicas)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def load_stateful_loader(loader: Any, state: dict[str, Any], *, saved_world: int, world: int) -> str | None:
+    """Load a torchdata ``StatefulDataLoader``'s own state, unless the checkpoint was written at
+    another world size: its state (a count of samples yielded by *this* rank's sampler) does not
+    translate, so it is not loaded and the loader starts the interrupted epoch from its first
+    batch. Returns that warning line (also logged), or None when the state was loaded."""
+    if saved_world == world:
+        loader.load_state_dict(state)
+        return None
+    line = (
+        f"StatefulDataLoader state not loaded: written at {saved_world} rank(s), this run has "
+        f"{world}; the interrupted epoch starts again from its first batch"
+    )
+    logger.warning(line)
+    return line
