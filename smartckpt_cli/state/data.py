@@ -58,34 +58,26 @@ def _dist_samplers(loader: DataLoader[Any]) -> list[Any]:
     return [s for s in samplers if s is not None and hasattr(s, "set_epoch") and hasattr(s, "epoch")]
 
 
-class _SkipOnce:
-    """Wraps the index sampler so its first iteration skips ``n`` batches, then passes through
-    (a persistent-workers iterator keeps this object and re-iterates it every epoch)."""
+class _FirstIteration:
+    """Wraps the index sampler so the iterator being created skips ``skip`` batches, or yields
+    ``items`` (the rest of an epoch carried from another dealing) instead; once it is created the
+    wrapper is disarmed and passes through (a persistent-workers iterator keeps this object and
+    re-iterates it every epoch). Armed for the whole creation, not for one ``iter``: a
+    multiprocessing iterator iterates its index sampler twice while it is created (in its base
+    ``__init__`` and in its first ``_reset``)."""
 
-    def __init__(self, inner: Any, n: int) -> None:
-        self.inner, self.n = inner, n
-
-    def __iter__(self) -> Iterator[Any]:
-        n, self.n = self.n, 0
-        return itertools.islice(iter(self.inner), n, None)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-
-class _RemainderOnce:
-    """Wraps the index sampler so its first iteration yields ``items`` (the rest of an epoch
-    carried from another dealing), then passes through to the sampler itself."""
-
-    def __init__(self, inner: Any, items: list[Any]) -> None:
-        self.inner = inner
-        self.items: list[Any] | None = items
-        self._len: int | None = len(items)
+    def __init__(self, inner: Any, skip: int, items: list[Any] | None) -> None:
+        self.inner, self.skip, self.items, self.armed = inner, skip, items, True
+        self._len: int | None = None if items is None else len(items)
 
     def __iter__(self) -> Iterator[Any]:
-        items, self.items = self.items, None
-        self._len = None if items is None else len(items)
-        return iter(self.inner) if items is None else iter(items)
+        self._len = None
+        if not self.armed:
+            return iter(self.inner)
+        if self.items is not None:
+            self._len = len(self.items)
+            return iter(self.items)
+        return itertools.islice(iter(self.inner), self.skip, None)
 
     def __len__(self) -> int:
         return len(self.inner) if self._len is None else self._len
@@ -162,6 +154,7 @@ class LoaderState:
         self._world = 1
         self._carry: dict[str, Any] | None = None  # planned by load_state_dict, used by the next iter
         self._remainder: list[Any] | None = None
+        self._wrapper: _FirstIteration | None = None  # the index sampler's, while the iterator is created
         self._reshard_note: str | None = None
         if not _generators(loader) and not _dist_samplers(loader) and _shuffles(loader):
             logger.warning(
@@ -175,11 +168,9 @@ class LoaderState:
         # Only the iterator being created gets the skip; len(loader) also reads _index_sampler.
         if not self._creating:
             return inner
-        skip, self._skip = self._skip, 0
-        rest, self._remainder = self._remainder, None
-        if rest is not None:
-            return _RemainderOnce(inner, rest)
-        return _SkipOnce(inner, skip) if skip else inner
+        if self._wrapper is None and (self._skip or self._remainder is not None):
+            self._wrapper = _FirstIteration(inner, self._skip, self._remainder)
+        return self._wrapper if self._wrapper is not None else inner
 
     def _start_epoch(self, make_iter: Any) -> Any:
         resume, self._pending = self._pending, None
@@ -216,7 +207,10 @@ class LoaderState:
             it = make_iter()
         finally:
             self._creating = False
-            self._skip = 0
+            self._skip, self._remainder = 0, None
+            if self._wrapper is not None:
+                self._wrapper.armed = False
+                self._wrapper = None
         return _Counting(it, self)
 
     def state_dict(self) -> dict[str, Any]:
