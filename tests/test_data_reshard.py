@@ -97,6 +97,22 @@ def test_padding_and_truncation_follow_distributed_sampler():
     assert [len(b) for b in rest[2]] == [4, 4]
 
 
+def test_a_finished_epoch_leaves_nothing_to_carry():
+    """A rank whose iterator ran out finished its share, the loader's dropped last batch included:
+    the rest of the epoch is empty at the new world size."""
+    states = []
+    for rank in range(2):
+        loader, sampler = _loader(50, 2, rank, loader_drop_last=True)  # 25 per rank: 6 batches
+        tracker = LoaderState.of(loader)
+        sampler.set_epoch(EPOCH)
+        assert len([b for b in loader]) == 6
+        states.append(tracker.state_dict())
+    assert states[0]["position"]["samples"] == 25
+    rest, _, trackers, _ = _resumed(states, 3, 50)
+    assert rest == [[], [], []]
+    assert "50 of 50 samples consumed" in trackers[0].describe_reshard()
+
+
 def test_the_next_epoch_is_the_new_world_size_run():
     _, states = _interrupted(48, 2, 3)
     _, _, _, loaders = _resumed(states, 3, 48)

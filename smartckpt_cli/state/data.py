@@ -91,7 +91,11 @@ class _Counting:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._tracker._exhausted = True  # this rank finished its share (a dropped last batch too)
+            raise
         self._tracker.batches += 1
         return batch
 
@@ -156,6 +160,7 @@ class LoaderState:
         self._remainder: list[Any] | None = None
         self._wrapper: _FirstIteration | None = None  # the index sampler's, while the iterator is created
         self._reshard_note: str | None = None
+        self._exhausted = False
         if not _generators(loader) and not _dist_samplers(loader) and _shuffles(loader):
             logger.warning(
                 "DataLoader shuffles without a seeded generator: the data order after a resume will "
@@ -202,6 +207,7 @@ class LoaderState:
                 )
         self.epochs = resume["epochs"] if resume is not None else self.epochs + 1
         self.batches = self._skip
+        self._exhausted = False
         self._creating = True
         try:
             it = make_iter()
@@ -222,7 +228,7 @@ class LoaderState:
         state["world"] = self._world
         if self._dealing is not None:
             size = _batch_size(self.loader)
-            samples = min(self._dealt, self._base + self.batches * size)
+            samples = self._dealt if self._exhausted else min(self._dealt, self._base + self.batches * size)
             state["position"] = {**self._dealing, "samples": samples, "base": self._base, "batch_size": size}
         return state
 
