@@ -214,6 +214,8 @@ def test_what_cannot_be_carried_is_refused_in_one_line():
     loader, _ = _loader(40, 3, 0)
     with pytest.raises(StateMismatchError, match="the dataset has 40 samples, the checkpoint's had 48"):
         LoaderState.of(loader).load_state_dict(states[0])
+    assert LoaderState.of(loader).state_dict()["started"] is False  # nothing was loaded
+    assert len(list(loader)) == len(loader)
     old = {k: v for k, v in states[0].items() if k not in ("world", "position")}
     loader, _ = _loader(48, 3, 0)
     with pytest.raises(StateMismatchError, match="records no data position"):
@@ -263,3 +265,21 @@ def test_a_stateful_dataloader_is_not_loaded_at_another_world_size():
     f = Fake()
     line = load_stateful_loader(f, {"x": 1}, saved_world=2, world=3)
     assert f.loaded is None and "not loaded" in line and "first batch" in line
+
+
+def test_an_unbatched_loader_without_shuffling():
+    ds = TensorDataset(torch.arange(30))
+    seen, states = [], []
+    for rank in range(2):
+        loader = DataLoader(ds, batch_size=None, sampler=DistributedSampler(ds, 2, rank, shuffle=False))
+        tracker = LoaderState.of(loader)
+        it = iter(loader)
+        seen += [int(next(it)[0]) for _ in range(6)]
+        states.append(tracker.state_dict())
+    rest = []
+    for rank in range(3):
+        loader = DataLoader(ds, batch_size=None, sampler=DistributedSampler(ds, 3, rank, shuffle=False))
+        LoaderState.of(loader).load_state_dict(states[rank % 2])
+        rest.append([int(x[0]) for x in loader])
+    assert rest == [list(range(12, 30))[r::3] for r in range(3)]
+    assert sorted(seen + [i for r in rest for i in r]) == list(range(30))

@@ -242,10 +242,10 @@ class LoaderState:
         Raises :class:`~smartckpt_cli.errors.StateMismatchError` when the position cannot move to
         this world size (no ``DistributedSampler``, a user ``batch_sampler``, an old state)."""
         self._reshard_note = None
-        self._carry = None
-        self._pending = dict(state) if state.get("started") else None
-        if self._pending is not None:
-            self._carry = self._plan(state, world)
+        started = bool(state.get("started"))
+        carry = self._plan(state, world) if started else None  # raises before anything changes
+        self._pending, self._carry = (dict(state) if started else None), carry
+        if started:
             self.epochs = int(state["epochs"])
             self.batches = int(state["batches"])
 
