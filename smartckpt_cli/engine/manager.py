@@ -47,15 +47,15 @@ from smartckpt_cli.errors import (
     NoCheckpointError,
     SmartckptError,
     StateMismatchError,
-    StoreLockedError,
 )
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
-from smartckpt_cli.state.registry import adapt
+from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.store.directory import StoreDir, open_store
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.store.storage.local import file_lock
+from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
 from smartckpt_cli.trigger.reading import SignalReading
@@ -65,8 +65,6 @@ from smartckpt_cli.trigger.trace import TraceWriter
 __all__ = ["CheckpointManager", "SaveHandle", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-WRITER_LOCK = "writer.lock"
 
 # Who is told as each CheckpointManager is built, and how many were: under `smartckpt run` the
 # agent stands zero-code mode down when the script builds its own manager (two managers cannot
@@ -171,7 +169,7 @@ class CheckpointManager(StepPath):
             self.settings, _ = load_settings(config, overrides)
         s = self.settings
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
-        self._lock_fd: int | None = None
+        self._lock = self.store.writer_lock()  # taken by the writing rank (rank 0) below
         # Several ranks: rank 0 holds the writer lock and the journal; the others follow it.
         self._comm = distributed.detect(s.distributed)
         self._rank = self._comm.rank if self._comm is not None else 0
@@ -188,7 +186,7 @@ class CheckpointManager(StepPath):
         opened: str | BaseException = ""
         if self._rank == 0:
             try:
-                self._acquire_writer_lock()
+                self._lock.acquire()
                 if s.remote:
                     from smartckpt_cli.remote.tier import RemoteTier
 
@@ -197,9 +195,7 @@ class CheckpointManager(StepPath):
             except BaseException as err:
                 # An unreadable journal must not leave this process holding the writer lock: a
                 # retry would then be refused as "already being written by" this very process.
-                if self._lock_fd is not None:
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
+                self._lock.release()
                 opened = err
         if self._comm is not None:
             shared = self._comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
@@ -247,10 +243,8 @@ class CheckpointManager(StepPath):
         self._pre_reading: SignalReading | None = None
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
-        # Smoothed costs of recent saves, fed to the policy: what the loop waited, and the
-        # time until commit.
-        self._cost_wait = 0.0
-        self._cost_total = 0.0
+        # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
+        self._cost = SaveCost()
         self._objects: dict[str, tuple[str, Any]] = {"rng": ("rng", RNGState())}
         self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
@@ -288,36 +282,43 @@ class CheckpointManager(StepPath):
 
     # ------------------------------------------------------------------ setup
 
-    def _acquire_writer_lock(self) -> None:
-        import fcntl
-
-        path = self.store.meta_root / WRITER_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreLockedError(
-                f"checkpoint store {self.store.root} is already being written by {holder}; "
-                "use another directory or stop that run"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self._lock_fd = fd
-
     def register(self, **objects: Any) -> None:
         """Register objects by name: modules, optimizers, schedulers, GradScalers, DataLoaders,
         or anything with ``state_dict``/``load_state_dict``. Call before ``restore``."""
         for name, obj in objects.items():
-            if name == "rng" or "/" in name:
-                raise ValueError(f"'{name}' cannot be used as a name ('rng' is reserved, no '/')")
-            kind, adapted = adapt(obj)
-            self._objects[name] = (kind, adapted)
-            if kind == "optimizer" and all(o is not obj for o in self._optimizers):
-                self._optimizers.append(obj)
-                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-                self._signals.watch(obj)
+            self._add(name, obj, None)
+        self._registered()
+
+    def register_as(self, name: str, obj: Any, *, kind: str | None = None) -> None:
+        """Register one object under ``name``, as :meth:`register` does, or, with ``kind`` (one of
+        :data:`smartckpt_cli.state.registry.KINDS`), as that kind and as it is: a wrapper with
+        ``state_dict``/``load_state_dict`` that keeps the kind of what it wraps (the checks made
+        on restore and the tiers follow the kind). Zero-code mode registers its boundary records
+        this way. The name ``"rng"`` takes only an object of kind ``"rng"`` (it replaces the
+        process RNG state the manager registers itself). Registering a name again replaces what
+        it named; an optimizer gets its step pre-hook once however often it is registered.
+        :meth:`names` lists what is registered."""
+        self._add(name, obj, kind)
+        self._registered()
+
+    def names(self) -> list[str]:
+        """The registered names in registration order, ``"rng"`` (always there) first."""
+        return list(self._objects)
+
+    def _add(self, name: str, obj: Any, kind: str | None) -> None:
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}: one of {', '.join(KINDS)}")
+        if (name == RNG) != (kind == RNG) or "/" in name:
+            raise ValueError(f"'{name}' cannot be used as a name ('rng' is reserved, no '/')")
+        if kind is None:
+            kind, obj = adapt(obj)
+        self._objects[name] = (kind, obj)
+        if kind == OPTIMIZER and all(o is not obj for o in self._optimizers):
+            self._optimizers.append(obj)
+            self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+            self._signals.watch(obj)
+
+    def _registered(self) -> None:
         self._signals.arm(self._signals.due(self._last_step + 1))
         self._preempt.install()
         self._prepare = True  # at the first step, when the optimizer's moments exist
@@ -556,10 +557,7 @@ class CheckpointManager(StepPath):
                 self._committed = (snap.step, snap_time)
             else:  # non-finite weights found while writing: it does not count against the budget
                 self._scheduled = self._committed
-            wait = snap.blocking_seconds + snap.guard_seconds
-            first = self._cost_total == 0.0
-            self._cost_wait = wait if first else 0.7 * self._cost_wait + 0.3 * wait
-            self._cost_total = info.seconds if first else 0.7 * self._cost_total + 0.3 * info.seconds
+            self._cost.add(snap.blocking_seconds + snap.guard_seconds, info.seconds)
         try:
             self._retain()
         except (OSError, SmartckptError) as err:
@@ -619,9 +617,7 @@ class CheckpointManager(StepPath):
                 hook.remove()
             self._hooks.clear()
             self._signals.unwatch()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._lock.release()
         failures = self.failures
         if failures:
             logger.error(

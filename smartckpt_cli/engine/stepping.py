@@ -35,6 +35,7 @@ from smartckpt_cli.engine.cadence import StepClock, decide_gap
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
 from smartckpt_cli.trigger.reading import SignalReading
@@ -98,8 +99,7 @@ class StepPath:
     _last_reading: SignalReading | None
     _scheduled: tuple[int | None, float]
     _committed: tuple[int | None, float]
-    _cost_wait: float
-    _cost_total: float
+    _cost: SaveCost
     _calm_step: int
     _record_until: int
     _keep_from: int
@@ -431,7 +431,7 @@ class StepPath:
             *self._scheduled,
             loss=reading.raw_loss if reading else None,
             reading=reading,
-            save_cost=self._cost_wait,
-            save_total=self._cost_total,
+            save_cost=self._cost.wait,
+            save_total=self._cost.total,
             mtbf=self.settings.mtbf,
         )
