@@ -190,7 +190,7 @@ def test_flipped_byte_in_newest_blob_falls_back(
         for where in ((0.5, 0.0, 1.0)[n % 3],):  # middle, first or last byte
             _flip_byte(path, where)
             caplog.clear()
-            with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
+            with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine"):
                 step, model, opt = _restore(store)
             assert step == 1, f"corrupt blob {bid} of {key} was not detected"
             assert any("step 2" in r.getMessage() and bid in r.getMessage() for r in caplog.records), [
@@ -211,7 +211,7 @@ def test_flipped_byte_in_newest_manifest_falls_back(
 ) -> None:
     rec = next(r for r in _records(store) if r.step == 2)
     _flip_byte(store / rec.manifest, where)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine"):
         step, model, opt = _restore(store)
     assert step == 1
     assert any(f"step 2: manifest {rec.manifest}" in r.getMessage() for r in caplog.records)
@@ -229,7 +229,7 @@ def test_plausible_edit_of_newest_manifest_is_caught_by_its_hash(
     data = path.read_bytes()
     assert data.count(b'"lr":0.0005,') == 1
     path.write_bytes(data.replace(b'"lr":0.0005,', b'"lr":0.0006,'))
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine"):
         step, model, opt = _restore(store)
     assert step == 1
     _assert_model(model, pristine.refs[1])
@@ -364,7 +364,7 @@ def test_corrupt_l2_falls_back_by_default(
     store: Path, pristine: Pristine, caplog: pytest.LogCaptureFixture
 ) -> None:
     bid = _corrupt_l2_only_blob(store)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine"):
         step, model, opt = _restore(store)
     assert step == 1
     assert any("L2" in r.getMessage() and bid in r.getMessage() for r in caplog.records)
@@ -376,7 +376,7 @@ def test_corrupt_l2_with_reset_keeps_newest_weights_and_restarts_moments(
     store: Path, pristine: Pristine, caplog: pytest.LogCaptureFixture
 ) -> None:
     _corrupt_l2_only_blob(store)
-    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine.manager"):
+    with caplog.at_level(logging.WARNING, logger="smartckpt_cli.engine"):
         step, model, opt = _restore(store, on_l2_corrupt="reset")
     assert step == 2
     _assert_model(model, pristine.refs[2])

@@ -200,7 +200,7 @@ class ZeroCode:
         loss: Callable[[], torch.Tensor | None],
         on_error: Callable[[str, BaseException], None],
     ) -> None:
-        from smartckpt_cli.state.registry import adapt
+        from smartckpt_cli.state.registry import MODULE, RNG, adapt
         from smartckpt_cli.state.rng import RNGState
 
         self.mgr = mgr
@@ -214,27 +214,26 @@ class ZeroCode:
         self.saving: _Record | None = None  # the record a snapshot reads, while it is taken
         self.started = False
         self.modules = [_BoundaryModule(m) for m in found.modules]
-        self.live: dict[str, Any] = {"rng": RNGState()}
-        # The manager's objects are set directly for the wrapped ones: they keep the kind of what
-        # they wrap (module checks and tiers on restore), which ``register`` would not see.
-        objects = self.mgr._objects
-        objects["rng"] = ("rng", _Recorded(self.live["rng"], "rng", self))
+        self.live: dict[str, Any] = {RNG: RNGState()}
+        # The wrapped objects are registered with the kind of what they wrap (module checks and
+        # tiers on restore), which plain ``register`` would not see in a wrapper.
+        mgr.register_as(RNG, _Recorded(self.live[RNG], RNG, self), kind=RNG)
         for name, w in zip(_names("model", self.modules), self.modules, strict=True):
-            objects[name] = ("module", w)
-        self.mgr.register(**dict(zip(_names("optimizer", found.optimizers), found.optimizers, strict=True)))
-        self.mgr.register(**dict(zip(_names("scheduler", found.schedulers), found.schedulers, strict=True)))
-        self.mgr.register(**dict(zip(_names("scaler", found.scalers), found.scalers, strict=True)))
+            mgr.register_as(name, w, kind=MODULE)
+        mgr.register(**dict(zip(_names("optimizer", found.optimizers), found.optimizers, strict=True)))
+        mgr.register(**dict(zip(_names("scheduler", found.schedulers), found.schedulers, strict=True)))
+        mgr.register(**dict(zip(_names("scaler", found.scalers), found.scalers, strict=True)))
         for name, loader in zip(_names("data", found.loaders), found.loaders, strict=True):
             kind, state = adapt(loader)
             self.live[name] = state
-            objects[name] = (kind, _Recorded(state, name, self))
+            mgr.register_as(name, _Recorded(state, name, self), kind=kind)
         self.ids = {id(o) for o in self.optimizers}
         self.posts: dict[int, int] = {}  # post-hooks seen, per optimizer
         self.scalers = found.scalers
         for scaler in self.scalers:
             self._count_skipped_steps(scaler)
         logger.info(
-            "zero-code checkpointing: %s", ", ".join(n for n in objects if n != "rng") or "nothing found"
+            "zero-code checkpointing: %s", ", ".join(n for n in mgr.names() if n != RNG) or "nothing found"
         )
 
     def restore(self) -> int:

@@ -80,7 +80,7 @@ class Comm:
         blocked: bool = False,
         every: int = 0,
     ) -> tuple[bool, int, int, bool, bool, int]:
-        """One agreement of every rank at a decision step (manager.py): rank 0's save decision,
+        """One agreement of every rank at a decision step (coordinator.py): rank 0's save decision,
         the steps to the next decision step (``gap``) and its evaluation spacing (``every``: the
         ranks evaluate at the same steps, so no rank waits for another's evaluation in the
         training's own collectives), the highest preemption signal any rank received, whether

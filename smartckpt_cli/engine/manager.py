@@ -15,6 +15,13 @@ of the state into reusable staging buffers). A single background thread runs the
 snapshot at a time (encoding fans out to a small worker pool), then retention. A background
 failure never raises in the training thread: it is logged, counted, journalled, returned by
 ``step()`` and reported by ``close()``.
+
+A facade: what it does is elsewhere. The per-step path and the optimizer pre-hook are
+:mod:`.stepping`, the save path :mod:`.saving` (both mixins over this class's state); one process
+or several ranks is one :class:`~.coordinator.Coordinator`; the remote tier is a commit observer
+and a restore source (:mod:`.observers`); the single-writer lock is the store's
+(:class:`~smartckpt_cli.store.directory.WriterLock`); the save-cost average is the trigger's
+(:class:`~smartckpt_cli.trigger.cost.SaveCost`).
 """
 
 from __future__ import annotations
@@ -25,37 +32,30 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from smartckpt_cli.config import Settings, load_settings
-from smartckpt_cli.engine import distributed, heartbeat
+from smartckpt_cli.engine import heartbeat
 from smartckpt_cli.engine.cadence import StepClock
-from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
+from smartckpt_cli.engine.coordinator import make_coordinator
+from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
-from smartckpt_cli.engine.restore import Loaded, candidates, load_checkpoint
-from smartckpt_cli.engine.snapshot import Stager, take_snapshot
+from smartckpt_cli.engine.restore import Loaded
+from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
+from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
-from smartckpt_cli.errors import (
-    CheckpointCorrupt,
-    NoCheckpointError,
-    SmartckptError,
-    StateMismatchError,
-    StoreLockedError,
-)
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
-from smartckpt_cli.state.registry import adapt
+from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.store.directory import StoreDir, open_store
-from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
-from smartckpt_cli.store.storage.local import file_lock
+from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
 from smartckpt_cli.trigger.reading import SignalReading
@@ -65,8 +65,6 @@ from smartckpt_cli.trigger.trace import TraceWriter
 __all__ = ["CheckpointManager", "SaveHandle", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-WRITER_LOCK = "writer.lock"
 
 # Who is told as each CheckpointManager is built, and how many were: under `smartckpt run` the
 # agent stands zero-code mode down when the script builds its own manager (two managers cannot
@@ -93,52 +91,7 @@ def _announce(manager: Any) -> None:
         fn(manager)
 
 
-class SaveHandle:
-    """A save in progress. ``wait()`` returns its :class:`CommitInfo` (None when it failed or
-    was skipped); ``error`` holds the failure."""
-
-    def __init__(self, step: int, future: Future[CommitInfo] | None, snapshot: Any = None) -> None:
-        self.step = step
-        self._future = future
-        self._snapshot = snapshot
-        self.blocking_seconds = 0.0  # time save() itself blocked the caller (the eager copies)
-        self.lazy = bool(snapshot is not None and snapshot.lazy)
-
-    @property
-    def loop_wait_seconds(self) -> float:
-        """What the training loop waited for this checkpoint: the eager part of the snapshot plus
-        what the optimizer pre-hook waited for the lazy copies."""
-        guard = self._snapshot.guard_seconds if self._snapshot is not None else 0.0
-        return self.blocking_seconds + guard
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self, timeout: float | None = None) -> CommitInfo | None:
-        if self._future is None:
-            return None
-        try:
-            return self._future.result(timeout)
-        except SmartckptError:
-            return None
-        except OSError:
-            return None
-
-    @property
-    def error(self) -> BaseException | None:
-        if self._future is None or not self._future.done():
-            return None
-        return self._future.exception()
-
-
-@dataclass
-class _Stats:
-    failures: list[str] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    commits: int = 0
-
-
-class CheckpointManager(StepPath):
+class CheckpointManager(StepPath, SavePath):
     """Checkpoints registered objects into a store directory (see module docstring).
 
     Arguments left as ``None`` come from the settings: ``./smartckpt.yaml`` (or ``config``),
@@ -171,45 +124,27 @@ class CheckpointManager(StepPath):
             self.settings, _ = load_settings(config, overrides)
         s = self.settings
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
-        self._lock_fd: int | None = None
-        # Several ranks: rank 0 holds the writer lock and the journal; the others follow it.
-        self._comm = distributed.detect(s.distributed)
-        self._rank = self._comm.rank if self._comm is not None else 0
-        self._dir_id = distributed.dir_id(self.store.root) if self._comm is not None else ""
-        self._dirs: list[str] = []  # every rank's disk id, learnt at the first save
+        self._lock = self.store.writer_lock()
+        # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
+        # lock and the journal, the others follow it. Restores look in the local store, or in
+        # the remote tier too, which also hears of every commit (observers.py).
+        self._coord = make_coordinator(s.distributed, self.store.root, remote=bool(s.remote))
+        self._source: CheckpointSource = LocalSource()
+        self._observers: list[CommitObserver] = []
         self._pruned_seen = 0
-        self._remote: Any = None  # the remote tier (smartckpt_cli/remote/tier.py), when configured
-        if s.remote and self._comm is not None:
-            # Every rank has the same settings, so every rank refuses the same way.
-            raise SmartckptError(
-                "remote= with several ranks is not supported yet: each rank's part would need its "
-                "own uploader; leave remote unset under torchrun"
-            )
-        opened: str | BaseException = ""
-        if self._rank == 0:
-            try:
-                self._acquire_writer_lock()
-                if s.remote:
-                    from smartckpt_cli.remote.tier import RemoteTier
 
-                    self._remote = RemoteTier.open(s, self.store)
-                opened = self.store.ensure_journal(self._remote and self._remote.adopted_store_id)
-            except BaseException as err:
+        def open_as_writer() -> str:
+            self._lock.acquire()
+            try:
+                self._source, self._observers = open_tiers(s, self.store)
+                return self.store.ensure_journal(self._source.adopted_store_id)
+            except BaseException:
                 # An unreadable journal must not leave this process holding the writer lock: a
                 # retry would then be refused as "already being written by" this very process.
-                if self._lock_fd is not None:
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
-                opened = err
-        if self._comm is not None:
-            shared = self._comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
-            if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
-                raise SmartckptError(shared)  # every rank fails the same way, none waits forever
-            opened = shared if self._rank != 0 else opened
-            distributed.guard_destroy(self)
-        if isinstance(opened, BaseException):
-            raise opened
-        self.store_id = opened
+                self._lock.release()
+                raise
+
+        self.store_id = self._coord.open(open_as_writer, self)
         self.policy: Policy = policy or make_policy(s)
         # Whether the policy may save before the optimizer update: only then is a boundary
         # captured and, on CUDA, the pre-hook's reading waited for (a host sync).
@@ -224,11 +159,6 @@ class CheckpointManager(StepPath):
         self._wish: Decision | None = None  # a save asked for, waiting for a step that can take it
         self._eval_cost = 0.0  # host seconds of the evaluation in progress
         self._prepare = False  # prepare the staging buffers at the next step
-        # Several ranks: the next agreed decision step, what the collective costs, and whether
-        # this rank's memory needs a save (sent at the next decision step).
-        self._point = 0
-        self._decide_cost = 0.0
-        self._urgent = False
         # The fast path of step(): nothing happens before this step and time (stepping.py).
         self._calm_step, self._calm_time, self._next_eval = -1, -math.inf, -1
         self._keep_from, self._record_until = 1 << 62, -1
@@ -247,11 +177,9 @@ class CheckpointManager(StepPath):
         self._pre_reading: SignalReading | None = None
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
-        # Smoothed costs of recent saves, fed to the policy: what the loop waited, and the
-        # time until commit.
-        self._cost_wait = 0.0
-        self._cost_total = 0.0
-        self._objects: dict[str, tuple[str, Any]] = {"rng": ("rng", RNGState())}
+        # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
+        self._cost = SaveCost()
+        self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}
         self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
         self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
@@ -274,7 +202,7 @@ class CheckpointManager(StepPath):
         )
         self._inflight: SaveHandle | None = None
         self._meta = base_meta()
-        self._stats = _Stats()
+        self._stats = SaveStats()
         self._stats_lock = threading.Lock()
         # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
         # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
@@ -283,41 +211,48 @@ class CheckpointManager(StepPath):
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
-        if self._remote is not None:
-            self._remote.start(self.store_id, s.background_nice)
+        for observer in self._observers:
+            observer.on_start(self.store_id)
 
     # ------------------------------------------------------------------ setup
-
-    def _acquire_writer_lock(self) -> None:
-        import fcntl
-
-        path = self.store.meta_root / WRITER_LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise StoreLockedError(
-                f"checkpoint store {self.store.root} is already being written by {holder}; "
-                "use another directory or stop that run"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self._lock_fd = fd
 
     def register(self, **objects: Any) -> None:
         """Register objects by name: modules, optimizers, schedulers, GradScalers, DataLoaders,
         or anything with ``state_dict``/``load_state_dict``. Call before ``restore``."""
         for name, obj in objects.items():
-            if name == "rng" or "/" in name:
-                raise ValueError(f"'{name}' cannot be used as a name ('rng' is reserved, no '/')")
-            kind, adapted = adapt(obj)
-            self._objects[name] = (kind, adapted)
-            if kind == "optimizer" and all(o is not obj for o in self._optimizers):
-                self._optimizers.append(obj)
-                self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
-                self._signals.watch(obj)
+            self._add(name, obj, None)
+        self._registered()
+
+    def register_as(self, name: str, obj: Any, *, kind: str | None = None) -> None:
+        """Register one object under ``name``, as :meth:`register` does, or, with ``kind`` (one of
+        :data:`smartckpt_cli.state.registry.KINDS`), as that kind and as it is: a wrapper with
+        ``state_dict``/``load_state_dict`` that keeps the kind of what it wraps (the checks made
+        on restore and the tiers follow the kind). Zero-code mode registers its boundary records
+        this way. The name ``"rng"`` takes only an object of kind ``"rng"`` (it replaces the
+        process RNG state the manager registers itself). Registering a name again replaces what
+        it named; an optimizer gets its step pre-hook once however often it is registered.
+        :meth:`names` lists what is registered."""
+        self._add(name, obj, kind)
+        self._registered()
+
+    def names(self) -> list[str]:
+        """The registered names in registration order, ``"rng"`` (always there) first."""
+        return list(self._objects)
+
+    def _add(self, name: str, obj: Any, kind: str | None) -> None:
+        if kind is not None and kind not in KINDS:
+            raise ValueError(f"unknown kind {kind!r}: one of {', '.join(KINDS)}")
+        if (name == RNG) != (kind == RNG) or "/" in name:
+            raise ValueError(f"'{name}' cannot be used as a name ('rng' is reserved, no '/')")
+        if kind is None:
+            kind, obj = adapt(obj)
+        self._objects[name] = (kind, obj)
+        if kind == OPTIMIZER and all(o is not obj for o in self._optimizers):
+            self._optimizers.append(obj)
+            self._hooks.append(obj.register_step_pre_hook(self._before_optimizer_step))
+            self._signals.watch(obj)
+
+    def _registered(self) -> None:
         self._signals.arm(self._signals.due(self._last_step + 1))
         self._preempt.install()
         self._prepare = True  # at the first step, when the optimizer's moments exist
@@ -360,52 +295,17 @@ class CheckpointManager(StepPath):
         its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
         self.wait()
         state = self.store.journal.read()
-        tried: list[str] = []
         reset = self.settings.on_l2_corrupt == "reset"
-        if self._comm is not None:
-            return self._restore_ranks(state, include_unhealthy, reset)
 
-        def load(rec: Any) -> Any:
-            return load_checkpoint(
-                self.store.storage,
-                self.store.blobs,
-                rec,
-                state.store_id,
-                skip_corrupt_l2=reset,
-                workers=self.settings.n_workers,
+        def read_part(rec: Any) -> Loaded:
+            return self._coord.load(
+                self.store, rec, state.store_id, skip_corrupt_l2=reset, workers=self.settings.n_workers
             )
 
-        # With a remote tier: remote-only checkpoints too, and a failing local copy is repaired.
-        order: list[Any] = (
-            self._remote.order(state, include_unhealthy=include_unhealthy)
-            if self._remote is not None
-            else candidates(state.records, include_unhealthy=include_unhealthy)
-        )
-        for item in order:
-            rec = item if self._remote is None else item.record
-            mismatch = distributed.world_mismatch(rec.step, distributed.record_world(rec.event), 1)
-            if mismatch is not None:
-                raise StateMismatchError(mismatch)
-            try:
-                loaded = load(rec) if self._remote is None else self._remote.load(item, load)
-            except CheckpointCorrupt as err:
-                logger.warning(
-                    "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
-                )
-                tried.append(str(err))
-                continue
-            if "L2" in loaded.skipped_tiers:
-                logger.warning(
-                    "OPTIMIZER MOMENTS OF STEP %d ARE CORRUPT: restoring weights and hyperparameters "
-                    "and re-initialising the optimizer state (on_l2_corrupt=reset)",
-                    rec.step,
-                )
-            return loaded
-        if tried:
-            raise NoCheckpointError(
-                f"no checkpoint in {self.store.root} verifies ({len(tried)} tried); newest problem: {tried[0]}"
-            )
-        return None
+        # The newest candidate that verifies (several ranks: on every rank); a local copy that
+        # fails is repaired from the remote tier when there is one.
+        order = self._source.order(state, include_unhealthy=include_unhealthy)
+        return self._coord.restore(order, lambda cand: self._source.load(cand, read_part), self.store.root)
 
     def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
         """Load ``loaded`` (from :meth:`read`) into the registered objects, all of them or those
@@ -422,168 +322,7 @@ class CheckpointManager(StepPath):
             logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
         return int(loaded.record.step)
 
-    def _restore_ranks(self, state: Any, include_unhealthy: bool, reset: bool) -> Loaded | None:
-        """Every rank loads the same step: the newest that verifies on all of them."""
-        assert self._comm is not None
-        comm = self._comm
-
-        def load(rec: Any) -> Any:
-            return load_part(
-                self.store.storage,
-                self.store.blobs,
-                rec,
-                self.store_id,
-                comm.rank,
-                self._dir_id,
-                skip_corrupt_l2=reset,
-                workers=self.settings.n_workers,
-            )
-
-        recs = candidates(state.records, include_unhealthy=include_unhealthy)
-        try:
-            loaded = restore_distributed(comm, recs, load)
-        except CheckpointCorrupt as err:
-            raise NoCheckpointError(f"{self.store.root}: {err}") from None
-        return loaded
-
-    # ------------------------------------------------------------------ saving
-
-    def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
-        """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
-        flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
-        also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
-        handle = self._save(step, Decision(True, reason), lazy=False)
-        if blocking:
-            with heartbeat.heartbeat_state("SAVING"):
-                handle.wait()
-        return handle
-
-    def _preempted(self, step: int, signum: int, result: StepResult) -> StepResult:
-        import signal as _signal
-
-        name = _signal.Signals(signum).name
-        logger.warning("%s received: taking a blocking checkpoint at step %d", name, step)
-        with heartbeat.heartbeat_state("SAVING"):
-            handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
-            handle.wait()
-            if self._remote is not None:  # the node may not come back: get it off the node first
-                self._remote.drain(self.settings.remote_close_wait)
-        self._trace.flush()
-        result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
-        self._preempt.finish(signum)  # exits through the signal unless told to continue
-        return result
-
-    def _loss_is_finite(self) -> bool:
-        loss = self._last_loss
-        if loss is None:
-            return True
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)  # one sync per save
-        return math.isfinite(value)
-
-    def _save(
-        self, step: int, decision: Decision, *, lazy: bool, objects: dict[str, tuple[str, Any]] | None = None
-    ) -> SaveHandle:
-        if self._closed:
-            raise RuntimeError("CheckpointManager is closed")
-        t0 = time.perf_counter()
-        self.wait()  # one save in flight: its staging buffers are about to be refilled
-        snap = take_snapshot(
-            self._objects if objects is None else objects,
-            stager=self._stager,
-            step=step,
-            reason=decision.reason,
-            score=decision.score,
-            precision=self.settings.precision,
-            rules=self.settings.tiers,
-            meta=self._meta,
-            lazy_params=self._guarded_params() if lazy else None,
-        )
-        healthy = self._loss_is_finite()
-        snap.health = "ok" if healthy else "nonfinite-loss"
-        snap.calm = decision.calm and healthy
-        snap.meta = {**snap.meta, "signals": _reading_meta(self._last_reading)}
-        snap_time = time.monotonic()
-        self._trace.flush()
-        if healthy:
-            self._scheduled = (step, snap_time)
-        if snap.lazy:
-            self._lazy_snapshot = snap
-        # The schedule moved: ask the policy at the next step; that step's time is not a step's.
-        self._quiet, self._wish = (-math.inf, -math.inf), None
-        self._clock.skip()
-        self._uncalm()
-        future = self._saver.submit(self._persist, snap, snap_time)
-        handle = SaveHandle(step, future, snap)
-        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
-        self._inflight = handle
-        return handle
-
-    def _guarded_params(self) -> set[int]:
-        return {
-            distributed.local_tensor(p).untyped_storage().data_ptr()
-            for opt in self._optimizers
-            for g in opt.param_groups
-            for p in g["params"]
-        }
-
-    def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
-        try:
-            if self._comm is not None:
-                info, self._dirs = persist_distributed(
-                    self._persister, snap, self._comm, self._dir_id, self.store.meta_root / GC_LOCK
-                )
-            else:
-                with file_lock(self.store.meta_root / GC_LOCK, shared=True):
-                    info = self._persister.persist(snap)
-        except Exception as err:
-            msg = f"save of step {snap.step} failed: {type(err).__name__}: {err}"
-            logger.error("%s (training continues; the next trigger tries again)", msg)
-            with self._stats_lock:
-                self._stats.failures.append(msg)
-                self._scheduled = self._committed
-            try:
-                if self._rank == 0:  # one line per failed save, whichever rank failed
-                    self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
-            except OSError:
-                pass
-            raise
-        self.last_commit = info
-        if self._remote is not None:
-            self._remote.wake()
-        with self._stats_lock:
-            self._stats.commits += 1
-            if info.health == "ok":
-                self._committed = (snap.step, snap_time)
-            else:  # non-finite weights found while writing: it does not count against the budget
-                self._scheduled = self._committed
-            wait = snap.blocking_seconds + snap.guard_seconds
-            first = self._cost_total == 0.0
-            self._cost_wait = wait if first else 0.7 * self._cost_wait + 0.3 * wait
-            self._cost_total = info.seconds if first else 0.7 * self._cost_total + 0.3 * info.seconds
-        try:
-            self._retain()
-        except (OSError, SmartckptError) as err:
-            logger.warning("retention after step %d failed: %s", snap.step, err)
-        return info
-
-    def _retain(self) -> None:
-        state = self.store.journal.read()
-        doomed = select_prunable(state.records, self.settings.keep_last)
-        if doomed and self._rank == 0:  # one rank prunes the journal
-            prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
-        # The lowest rank of every disk collects that disk's garbage (node-local dirs included).
-        leader = self._comm is None or self._rank in distributed.dir_leaders(self._dirs)
-        pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
-        if leader and (doomed or pruned > self._pruned_seen):
-            self._pruned_seen = pruned
-            collect_garbage(self.store.storage, self.store.blobs, self.store.journal, self.store.meta_root)
-
     # ------------------------------------------------------------------ lifecycle
-
-    def wait(self) -> CommitInfo | None:
-        """Wait for the save in flight, if any; returns its CommitInfo (None if it failed)."""
-        handle, self._inflight = self._inflight, None
-        return handle.wait() if handle is not None else None
 
     @property
     def failures(self) -> list[str]:
@@ -604,8 +343,8 @@ class CheckpointManager(StepPath):
         try:
             with heartbeat.heartbeat_state("SAVING"):
                 self.wait()
-                if self._remote is not None:
-                    self._remote.close(self.settings.remote_close_wait)
+                for observer in self._observers:
+                    observer.on_close()
         finally:
             self._closed = True
             self._saver.shutdown(wait=True)
@@ -619,9 +358,7 @@ class CheckpointManager(StepPath):
                 hook.remove()
             self._hooks.clear()
             self._signals.unwatch()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            self._lock.release()
         failures = self.failures
         if failures:
             logger.error(
@@ -643,13 +380,3 @@ class CheckpointManager(StepPath):
     @property
     def directory(self) -> Path:
         return self.store.root
-
-
-def _reading_meta(r: SignalReading | None) -> dict[str, Any] | None:
-    """The signals that led to a checkpoint, for its manifest."""
-    if r is None:
-        return None
-    out = {"step": r.step, "loss": r.loss, "curvature": r.curvature, "grad_var": r.grad_var}
-    if r.memory is not None:
-        out["memory"] = r.memory
-    return out

@@ -10,8 +10,9 @@ mgr.step(N)``:
 2. ``mgr.step(N)``: the loss joins the window if an evaluation is near; an evaluation not taken
    in the pre-hook is launched, a reading read back (CPU: at once; CUDA: once its event has
    passed); the policy is asked only at a reading, a pending wish or signal, after a commit, or
-   from the step/time ``quiet_until`` named (cadence.py); several ranks agree only at decision
-   steps (``_agree``); then the save, if any.
+   from the step/time ``quiet_until`` named (cadence.py); the coordinator agrees on the save
+   and any rank's preemption signal (several ranks: only at decision steps, coordinator.py);
+   then the save, if any.
 
 Everything else of a step is a few comparisons. This is a mixin: the state it reads is the
 manager's, set up in its ``__init__``.
@@ -31,10 +32,12 @@ import torch
 
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine import heartbeat
-from smartckpt_cli.engine.cadence import StepClock, decide_gap
+from smartckpt_cli.engine.cadence import StepClock
+from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
 from smartckpt_cli.trigger.reading import SignalReading
@@ -42,14 +45,11 @@ from smartckpt_cli.trigger.signals import Signals
 from smartckpt_cli.trigger.trace import TraceWriter
 
 if TYPE_CHECKING:
-    from smartckpt_cli.engine.distributed import Comm
-    from smartckpt_cli.engine.manager import SaveHandle
+    from smartckpt_cli.engine.saving import SaveHandle
 
 __all__ = ["StepPath", "StepResult"]
 
 logger = logging.getLogger(__name__)
-
-_NO = Decision(False)
 
 
 @dataclass
@@ -75,11 +75,7 @@ class StepPath:
     _wish: Decision | None
     _eval_cost: float
     _prepare: bool
-    _point: int
-    _decide_cost: float
-    _urgent: bool
-    _comm: Comm | None
-    _rank: int
+    _coord: Coordinator
     _boundary: Boundary
     _pre_reading: SignalReading | None
     _pre_hooks: int
@@ -98,8 +94,7 @@ class StepPath:
     _last_reading: SignalReading | None
     _scheduled: tuple[int | None, float]
     _committed: tuple[int | None, float]
-    _cost_wait: float
-    _cost_total: float
+    _cost: SaveCost
     _calm_step: int
     _record_until: int
     _keep_from: int
@@ -129,7 +124,7 @@ class StepPath:
         # After the last optimizer's statistics: evaluate here, before any update runs, when
         # the policy can save before it. Several ranks evaluate in step(): rank 0 decides for all
         # at a decision step, and no collective may run in a hook.
-        if self._comm is None and self._precursor and self._pre_hooks == len(self._optimizers):
+        if self._coord.hooks_may_save and self._precursor and self._pre_hooks == len(self._optimizers):
             try:
                 self._before_update(step)
             except Exception as err:  # never break the user's optimizer.step()
@@ -265,7 +260,7 @@ class StepPath:
             self._beating = False
         due_next = sig.due(step + 1)
         sig.arm(due_next)
-        if due_next and can_save and self._comm is None and self._optimizers and self._precursor:
+        if due_next and can_save and self._coord.hooks_may_save and self._optimizers and self._precursor:
             t0 = time.monotonic()
             self._boundary.capture(step, self._objects)
             self._eval_cost += time.monotonic() - t0
@@ -274,7 +269,7 @@ class StepPath:
         result = StepResult()
         if pre_saved is not None:
             result.saved, result.handle, result.reason = True, pre_saved[0], pre_saved[1]
-        decision = _NO
+        decision = NO
         if (
             reading is not None
             or self._wish is not None
@@ -282,7 +277,7 @@ class StepPath:
             or step >= self._quiet[0]
             or now >= self._quiet[1]
             or self._stats.commits != self._quiet_commits
-            or (self._comm is not None and step >= self._point)
+            or step >= self._coord.next_point
         ):
             t0 = time.monotonic()
             decision = self._consult(step, reading)
@@ -291,27 +286,33 @@ class StepPath:
                 self._trace.add(reading, decision.score, reason)
                 sig.charge(self._eval_cost + time.monotonic() - t0)
                 self._eval_cost = 0.0
-        signum: int | None
-        if self._comm is not None:
-            # Rank 0's trigger decides for all ranks, at the agreed decision steps; any rank's
-            # preemption signal makes every rank take the blocking save. No collective in a hook.
-            decision, signum = self._agree(step, decision, can_save)
-        else:
-            signum = self._preempt.take() if can_save else None
-            if decision.save and not can_save:
-                self._wish, decision = decision, _NO  # taken at the next step that can
-            elif decision.save and self._busy():
-                self._wish = None
-                with self._stats_lock:
-                    self._stats.skipped.append(step)
-                logger.info("step %d: save skipped, the previous one is still being written", step)
-                decision = _NO
+        # One process: at once. Several ranks: rank 0's trigger decides for all at the agreed
+        # decision steps; any rank's preemption signal makes every rank take the blocking save.
+        verdict = self._coord.agree_to_save(
+            Proposal(
+                step,
+                decision,
+                self._wish,
+                can_save,
+                self._busy(),
+                self._preempt.pending,
+                self._clock.seconds,
+                self._quiet[0],
+                sig.own_spacing(),
+            )
+        )
+        decision, signum, self._wish = verdict.decision, verdict.signum, verdict.wish
+        if verdict.agreed:
+            sig.agreed = verdict.spacing  # rank 0's evaluation spacing, from the next launch on
+        if verdict.skipped:
+            with self._stats_lock:
+                self._stats.skipped.append(step)
         if signum is not None:
+            self._preempt.take()
             return self._preempted(step, signum, result)
         if decision.save:
+            result.saved, result.reason = True, decision.reason
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
-            result.saved = True
-            result.reason = decision.reason
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
@@ -331,9 +332,7 @@ class StepPath:
         # the losses of the window are kept on the fast path; the step before the evaluation arms
         # its statistics (and captures the boundary a precursor would save)
         self._keep_from = self._next_eval - self._signals.window - 1
-        calm = min(float(self._next_eval - 1), self._quiet[0])
-        if self._comm is not None:
-            calm = min(calm, float(self._point))
+        calm = min(float(self._next_eval - 1), self._quiet[0], self._coord.next_point)
         self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
         self._calm_time = self._quiet[1]
         # may_save: the step before the evaluation (a save before its update) and the evaluation
@@ -360,44 +359,6 @@ class StepPath:
         if not decision.save and self._wish is not None:
             decision = self._wish
         return decision
-
-    def _agree(self, step: int, decision: Decision, can_save: bool) -> tuple[Decision, int | None]:
-        """Several ranks: rank 0's wish, any rank's signal and memory alarm, agreed at the
-        decision steps only (the next one is set by the collective itself, so every rank knows
-        it); in between, wishes and signals wait."""
-        assert self._comm is not None
-        if decision.save:
-            if self._rank == 0:
-                self._wish = decision
-            elif decision.reason == "memory pressure":
-                self._urgent = True
-        if step < self._point:
-            return _NO, None
-        want = self._rank == 0 and self._wish is not None and not self._busy()
-        gap = (
-            decide_gap(step, self._clock.seconds, self._decide_cost, self._quiet[0]) if self._rank == 0 else 1
-        )
-        t0 = time.monotonic()
-        save, signum, gap, urgent, blocked, every = self._comm.decide(
-            want, self._preempt.pending or 0, gap, self._urgent, not can_save, self._signals.own_spacing()
-        )
-        self._signals.agreed = every or None  # rank 0's evaluation spacing, from the next launch on
-        took = time.monotonic() - t0
-        self._decide_cost = took if self._decide_cost == 0.0 else 0.8 * self._decide_cost + 0.2 * took
-        # After a save or a signal the state of the schedule changes: agree again at the next step.
-        self._point = step + (1 if blocked or save or urgent or signum else gap)
-        if blocked:  # some rank cannot snapshot this step: every rank waits for the next one
-            return _NO, None
-        if signum:
-            self._preempt.take()
-            return _NO, signum
-        if not (save or urgent):
-            return _NO, None
-        chosen = self._wish if save and self._wish is not None else None
-        if chosen is None:
-            chosen = Decision(True, "rank 0 trigger" if save else "memory pressure", calm=decision.calm)
-        self._wish, self._urgent = None, False
-        return chosen, None
 
     def may_save(self, step: int) -> bool:
         """Whether :meth:`step` for ``step`` (or a save before the next step's update) might
@@ -431,7 +392,7 @@ class StepPath:
             *self._scheduled,
             loss=reading.raw_loss if reading else None,
             reading=reading,
-            save_cost=self._cost_wait,
-            save_total=self._cost_total,
+            save_cost=self._cost.wait,
+            save_total=self._cost.total,
             mtbf=self.settings.mtbf,
         )

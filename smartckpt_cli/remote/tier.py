@@ -1,12 +1,17 @@
-"""The glue between the manager and the remote tier. The manager calls, in this order:
+"""The remote tier as the manager sees it: a source of checkpoints for restore and an observer
+of commits (the engine's ``CheckpointSource`` and ``CommitObserver`` protocols, in
+``smartckpt_cli/engine/observers.py``; met structurally, remote never imports the engine). The
+manager calls, in this order:
 
 1. ``RemoteTier.open(settings, store)`` before the local journal exists (a new node, a wiped
    disk): ``adopted_store_id`` is the remote's store id, so the checkpoints it holds belong to
    this store and keep passing the manifests' store check;
 2. ``order`` and ``load`` in ``restore``: what to try, and each try (local copy first, the
    missing or damaged parts downloaded from the remote when it fails);
-3. ``start(store_id)`` once, then ``wake()`` after each commit;
-4. ``drain(timeout)`` on preemption, ``close(timeout)`` in ``close``.
+3. ``on_start(store_id)`` once (the uploader starts), then ``on_commit(info)`` after each commit
+   (it wakes the uploader);
+4. ``on_preempt()`` after the preemption save (``drain``), ``on_close()`` in ``close`` (both
+   bounded by ``remote_close_wait``).
 
 A remote that is down never raises out of here into training: restore falls back to what is
 local, the uploader retries in the background.
@@ -152,6 +157,20 @@ class RemoteTier:
                 f"; last error: {st.last_error}" if st.last_error else "",
             )
         return ok
+
+    # ------------------------------------------------------------------ commit observer
+
+    def on_start(self, store_id: str) -> None:
+        self.start(store_id, self.settings.background_nice)
+
+    def on_commit(self, info: Any) -> None:
+        self.wake()
+
+    def on_preempt(self) -> None:
+        self.drain(self.settings.remote_close_wait)  # the node may not come back: get it off first
+
+    def on_close(self) -> None:
+        self.close(self.settings.remote_close_wait)
 
     def close(self, timeout: float) -> None:
         try:

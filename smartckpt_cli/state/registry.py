@@ -8,7 +8,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["adapt", "register_kind"]
+__all__ = ["DATA", "KINDS", "MODULE", "OPTIMIZER", "RNG", "STATE", "adapt", "register_kind"]
+
+# The kinds of state (what a manifest entry's ``kind`` says): the names to use, not string literals.
+MODULE, OPTIMIZER, DATA, STATE, RNG = "module", "optimizer", "data", "state", "rng"
+KINDS = (MODULE, OPTIMIZER, DATA, STATE, RNG)
 
 # (predicate, kind, wrap): the first predicate that matches wins.
 _KINDS: list[tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = []
@@ -32,10 +36,10 @@ def _loader_state(obj: Any) -> Any:
     return LoaderState.of(obj)
 
 
-register_kind(lambda o: isinstance(o, torch.nn.Module), "module")
-register_kind(lambda o: isinstance(o, torch.optim.Optimizer), "optimizer")
-register_kind(_plain_dataloader, "data", _loader_state)
-register_kind(lambda o: hasattr(o, "state_dict") and hasattr(o, "load_state_dict"), "state")
+register_kind(lambda o: isinstance(o, torch.nn.Module), MODULE)
+register_kind(lambda o: isinstance(o, torch.optim.Optimizer), OPTIMIZER)
+register_kind(_plain_dataloader, DATA, _loader_state)
+register_kind(lambda o: hasattr(o, "state_dict") and hasattr(o, "load_state_dict"), STATE)
 
 
 def adapt(obj: Any) -> tuple[str, Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from smartckpt_cli.errors import JournalError
+from smartckpt_cli.store.directory import WRITER_LOCK
 from smartckpt_cli.store.journal import Journal
 from smartckpt_cli.store.storage.local import LocalStorage, file_lock
 from smartckpt_cli.supervise.policy import estimate_mtbf
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 RUNS_DIR = "runs"
 RECORD_VERSION = 1
-WRITER_LOCK = "writer.lock"  # the CheckpointManager's single-writer lock (manager.WRITER_LOCK)
 
 
 def candidates(records: list[Any]) -> list[Any]:

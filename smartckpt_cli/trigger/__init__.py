@@ -8,5 +8,6 @@ it), :mod:`.reading` (one evaluation as plain numbers), :mod:`.policies` (the po
 :class:`~.context.TriggerContext` in, a :class:`~.context.Decision` out), :mod:`.scores` (the
 seed's score, Young/Daly's interval), :mod:`.simple` (``fixed`` and ``seed``), :mod:`.adaptive`
 (the default policy), :mod:`.pressure` (memory pressure), :mod:`.bounded` (the lost-work budget
-around every policy), :mod:`.trace` (one CSV line per evaluation, for ``simulate`` and ``plot``).
+around every policy), :mod:`.cost` (what a save costs: a moving average of recent
+saves), :mod:`.trace` (one CSV line per evaluation, for ``simulate`` and ``plot``).
 """

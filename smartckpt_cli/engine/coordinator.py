@@ -1,0 +1,326 @@
+"""One process or several ranks, behind one interface: the manager and its step path call a
+:class:`Coordinator` and never ask how many ranks there are.
+
+As in torch.distributed.checkpoint, one process is the trivial case (:class:`SingleProcess`);
+:class:`Ranks` carries out the same calls over the training's ``torch.distributed`` world (the
+collectives are in :mod:`.distributed`, the two-phase commit and the restore agreement in
+:mod:`.multirank`). Every rank has its own store directory view (shared or node-local disks: a
+disk id tells them apart, see :func:`.distributed.dir_id`). With ``distributed: off`` every rank
+of a multi-rank job is a :class:`SingleProcess` of its own (each then needs its own store); there
+is no other mode.
+
+Order of calls, and who makes them (every rank makes every call, in the same order, unless it
+says otherwise; the collectives of several ranks would hang otherwise):
+
+1. ``make_coordinator(settings, root)`` (all ranks, training thread) in the manager's
+   ``__init__``;
+2. ``open(open_store, owner)`` (all ranks): the *leader* (rank 0) runs ``open_store`` (writer
+   lock, journal) and every rank gets its store id, or the same error;
+3. per step (training thread): ``agree_to_save(proposal)`` at every step the step path looks at
+   (``step >= next_point`` among them); several ranks run their one small collective there, only
+   at the agreed *decision steps*, so every rank reaches it at the same step. It returns the save
+   every rank takes, and the preemption signal any rank received: a signal on one rank makes
+   every rank take the blocking save. One process answers at once. ``hooks_may_save``: whether
+   the evaluation and a save before the update may run in the optimizer pre-hook (one process
+   only: no collective may run in a hook);
+4. per save (background save thread, all ranks): ``persist(persister, snap, gc_lock)``, then
+   ``leads`` (the leader prunes the journal and journals a failed save) and
+   ``collects_garbage()`` (the lowest rank of each disk);
+5. restore (training thread, all ranks): ``load(store, record, ...)`` reads this rank's part,
+   ``restore(order, load, where)`` chooses the newest checkpoint every rank can load.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from smartckpt_cli.engine import distributed
+from smartckpt_cli.engine.cadence import decide_gap
+from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
+from smartckpt_cli.engine.restore import Loaded, load_checkpoint
+from smartckpt_cli.engine.snapshot import Snapshot
+from smartckpt_cli.engine.writer import CommitInfo, Persister
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError, StateMismatchError
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.storage.local import file_lock
+from smartckpt_cli.trigger.policies import Decision
+
+__all__ = ["NO", "Coordinator", "Proposal", "Ranks", "SingleProcess", "Verdict", "make_coordinator"]
+
+logger = logging.getLogger(__name__)
+
+NO = Decision(False)  # no save
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What this rank brings to a step's agreement (made at the steps the step path looks at)."""
+
+    step: int
+    decision: Decision  # this rank's policy answer (a pending wish included)
+    wish: Decision | None  # a save asked for earlier, not taken yet
+    can_save: bool  # this rank can snapshot this step (zero-code mode records the boundary)
+    busy: bool  # a save is still being written and ``inflight="skip"``
+    signal: int | None  # a preemption signal this rank received and has not acted on
+    step_seconds: float = 0.0  # the step time (spacing of the decision steps)
+    quiet_step: float = math.inf  # the policy's next step of interest
+    spacing: int = 0  # this rank's own evaluation spacing
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What every rank does at this step."""
+
+    decision: Decision  # the save every rank takes (``save=False``: none)
+    signum: int | None  # a preemption signal: every rank takes the blocking save and hands it on
+    wish: Decision | None  # the wish that stays pending
+    skipped: bool = False  # a save was asked for while the previous one is still being written
+    spacing: int | None = None  # the agreed evaluation spacing (``agreed``: from this step on)
+    agreed: bool = False  # the ranks agreed at this step (``spacing`` holds)
+
+
+@runtime_checkable
+class Coordinator(Protocol):
+    """One process or several ranks (module docstring: the order of calls and who makes them)."""
+
+    rank: int
+    world: int
+    hooks_may_save: bool
+
+    @property
+    def leads(self) -> bool:
+        """This rank writes the journal (rank 0)."""
+        ...
+
+    @property
+    def next_point(self) -> float:
+        """The next step at which :meth:`agree_to_save` must be called (inf: whenever)."""
+        ...
+
+    def open(self, open_store: Callable[[], str], owner: Any) -> str: ...
+
+    def agree_to_save(self, p: Proposal) -> Verdict: ...
+
+    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo: ...
+
+    def collects_garbage(self) -> bool: ...
+
+    def load(
+        self,
+        store: StoreDir,
+        record: CheckpointRecord,
+        store_id: str | None,
+        *,
+        skip_corrupt_l2: bool,
+        workers: int,
+    ) -> Loaded: ...
+
+    def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None: ...
+
+
+class SingleProcess:
+    """One process: every call answers at once, no collective."""
+
+    rank = 0
+    world = 1
+    hooks_may_save = True
+    leads = True
+    next_point = math.inf
+
+    def open(self, open_store: Callable[[], str], owner: Any) -> str:
+        return open_store()
+
+    def agree_to_save(self, p: Proposal) -> Verdict:
+        signum = p.signal if p.can_save else None
+        if p.decision.save and not p.can_save:
+            return Verdict(NO, signum, p.decision)  # taken at the next step that can
+        if p.decision.save and p.busy:
+            logger.info("step %d: save skipped, the previous one is still being written", p.step)
+            return Verdict(NO, signum, None, skipped=True)
+        return Verdict(p.decision, signum, p.wish)
+
+    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
+        with file_lock(gc_lock, shared=True):
+            return persister.persist(snap)
+
+    def collects_garbage(self) -> bool:
+        return True
+
+    def load(
+        self,
+        store: StoreDir,
+        record: CheckpointRecord,
+        store_id: str | None,
+        *,
+        skip_corrupt_l2: bool,
+        workers: int,
+    ) -> Loaded:
+        return load_checkpoint(
+            store.storage, store.blobs, record, store_id, skip_corrupt_l2=skip_corrupt_l2, workers=workers
+        )
+
+    def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
+        """The first of ``order`` (candidates with a ``.record``, newest first) that loads."""
+        tried: list[str] = []
+        for item in order:
+            rec = item.record
+            mismatch = distributed.world_mismatch(rec.step, distributed.record_world(rec.event), 1)
+            if mismatch is not None:
+                raise StateMismatchError(mismatch)
+            try:
+                loaded = load(item)
+            except CheckpointCorrupt as err:
+                logger.warning(
+                    "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
+                )
+                tried.append(str(err))
+                continue
+            if "L2" in loaded.skipped_tiers:
+                logger.warning(
+                    "OPTIMIZER MOMENTS OF STEP %d ARE CORRUPT: restoring weights and hyperparameters "
+                    "and re-initialising the optimizer state (on_l2_corrupt=reset)",
+                    rec.step,
+                )
+            return loaded
+        if tried:
+            raise NoCheckpointError(
+                f"no checkpoint in {where} verifies ({len(tried)} tried); newest problem: {tried[0]}"
+            )
+        return None
+
+
+class Ranks:
+    """Several ranks over ``torch.distributed`` (:class:`.distributed.Comm`): rank 0 holds the
+    writer lock and the journal and its trigger decides for all; any rank's preemption signal
+    and memory alarm reach every rank at the next decision step."""
+
+    hooks_may_save = False
+
+    def __init__(self, comm: distributed.Comm, dir_id: str) -> None:
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+        self.dir_id = dir_id  # this rank's disk
+        self.dirs: list[str] = []  # every rank's disk id, learnt at the first save
+        self._point = 0  # the next agreed decision step
+        self._decide_cost = 0.0  # what the collective costs (smoothed)
+        self._urgent = False  # this rank's memory needs a save (sent at the next decision step)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def next_point(self) -> float:
+        return float(self._point)
+
+    def open(self, open_store: Callable[[], str], owner: Any) -> str:
+        opened: str | BaseException = ""
+        if self.rank == 0:
+            try:
+                opened = open_store()
+            except BaseException as err:
+                opened = err
+        shared = self.comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
+        if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
+            raise SmartckptError(shared)  # every rank fails the same way, none waits forever
+        distributed.guard_destroy(owner)
+        if isinstance(opened, BaseException):
+            raise opened
+        return opened if self.rank == 0 else str(shared)
+
+    def agree_to_save(self, p: Proposal) -> Verdict:
+        """Rank 0's wish, any rank's signal and memory alarm, agreed at the decision steps only
+        (the next one is set by the collective itself, so every rank knows it); in between,
+        wishes and signals wait."""
+        wish = p.wish
+        if p.decision.save:
+            if self.rank == 0:
+                wish = p.decision
+            elif p.decision.reason == "memory pressure":
+                self._urgent = True
+        if p.step < self._point:
+            return Verdict(NO, None, wish)
+        want = self.rank == 0 and wish is not None and not p.busy
+        gap = decide_gap(p.step, p.step_seconds, self._decide_cost, p.quiet_step) if self.rank == 0 else 1
+        t0 = time.monotonic()
+        save, signum, gap, urgent, blocked, every = self.comm.decide(
+            want, p.signal or 0, gap, self._urgent, not p.can_save, p.spacing
+        )
+        took = time.monotonic() - t0
+        self._decide_cost = took if self._decide_cost == 0.0 else 0.8 * self._decide_cost + 0.2 * took
+        # After a save or a signal the state of the schedule changes: agree again at the next step.
+        self._point = p.step + (1 if blocked or save or urgent or signum else gap)
+        spacing = every or None
+        if blocked:  # some rank cannot snapshot this step: every rank waits for the next one
+            return Verdict(NO, None, wish, spacing=spacing, agreed=True)
+        if signum:
+            return Verdict(NO, signum, wish, spacing=spacing, agreed=True)
+        if not (save or urgent):
+            return Verdict(NO, None, wish, spacing=spacing, agreed=True)
+        chosen = wish if save and wish is not None else None
+        if chosen is None:
+            chosen = Decision(True, "rank 0 trigger" if save else "memory pressure", calm=p.decision.calm)
+        self._urgent = False
+        return Verdict(chosen, None, None, spacing=spacing, agreed=True)
+
+    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
+        info, self.dirs = persist_distributed(persister, snap, self.comm, self.dir_id, gc_lock)
+        return info
+
+    def collects_garbage(self) -> bool:
+        """The lowest rank of every disk collects that disk's garbage (node-local dirs included)."""
+        return self.rank in distributed.dir_leaders(self.dirs)
+
+    def load(
+        self,
+        store: StoreDir,
+        record: CheckpointRecord,
+        store_id: str | None,
+        *,
+        skip_corrupt_l2: bool,
+        workers: int,
+    ) -> Loaded:
+        return load_part(
+            store.storage,
+            store.blobs,
+            record,
+            store_id,
+            self.rank,
+            self.dir_id,
+            skip_corrupt_l2=skip_corrupt_l2,
+            workers=workers,
+        )
+
+    def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
+        """Every rank loads the same step: the newest that verifies on all of them."""
+        by_id = {item.record.id: item for item in order}
+        try:
+            return restore_distributed(
+                self.comm, [item.record for item in order], lambda rec: load(by_id[rec.id])
+            )
+        except CheckpointCorrupt as err:
+            raise NoCheckpointError(f"{where}: {err}") from None
+
+
+def make_coordinator(setting: str, root: Path, *, remote: bool = False) -> Coordinator:
+    """The coordinator of this process: :class:`Ranks` in a multi-rank ``torch.distributed``
+    world (``setting``: the ``distributed`` setting, ``auto`` or ``off``), else
+    :class:`SingleProcess`. ``remote``: a remote tier is configured (one process only yet)."""
+    comm = distributed.detect(setting)
+    if comm is None:
+        return SingleProcess()
+    coord = Ranks(comm, distributed.dir_id(root))
+    if remote:
+        # Every rank has the same settings, so every rank refuses the same way.
+        raise SmartckptError(
+            "remote= with several ranks is not supported yet: each rank's part would need its "
+            "own uploader; leave remote unset under torchrun"
+        )
+    return coord

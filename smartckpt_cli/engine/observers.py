@@ -1,0 +1,86 @@
+"""What the manager tells the tiers beside the local store, and what it asks of them.
+
+:class:`CommitObserver` listens to the life of a store: the manager keeps a list of them and
+calls, in this order (training thread unless said otherwise):
+
+1. ``on_start(store_id)`` once, at the end of the manager's ``__init__``;
+2. ``on_commit(info)`` after each commit line, on the background save thread (it must return at
+   once: wake a thread of its own, never write or upload here; an exception is logged, the
+   commit stands);
+3. ``on_preempt()`` after the blocking save a preemption signal took, before the signal is
+   handed on (the node may not come back: get what matters off it, bounded in time);
+4. ``on_close()`` in ``close()``, after the last save was waited for.
+
+:class:`CheckpointSource` is where a restore looks: ``adopted_store_id`` is asked once, before
+the local journal exists; ``order(state, ...)`` lists the candidates (each with a ``.record``)
+newest first and ``load(candidate, loader)`` loads one. :class:`LocalSource` is the local store
+alone. The remote tier (:class:`smartckpt_cli.remote.tier.RemoteTier`) is both, structurally;
+:func:`open_tiers` builds it when ``remote`` is set, and the manager talks to it only through
+these two protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from smartckpt_cli.config import Settings
+from smartckpt_cli.remote.fetch import Candidate
+from smartckpt_cli.store.checkpoints import candidates
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import JournalState
+
+__all__ = ["CheckpointSource", "CommitObserver", "LocalSource", "open_tiers"]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class CommitObserver(Protocol):
+    """Told of a store's start, commits, preemption and close (module docstring)."""
+
+    def on_start(self, store_id: str) -> None: ...
+
+    def on_commit(self, info: Any) -> None: ...
+
+    def on_preempt(self) -> None: ...
+
+    def on_close(self) -> None: ...
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """Where a restore looks, in which order (module docstring)."""
+
+    adopted_store_id: str | None
+
+    def order(self, state: JournalState, *, include_unhealthy: bool) -> list[Candidate]: ...
+
+    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T: ...
+
+
+class LocalSource:
+    """The local store alone: its live checkpoints, newest first."""
+
+    adopted_store_id: str | None = None
+
+    def order(self, state: JournalState, *, include_unhealthy: bool) -> list[Candidate]:
+        return [
+            Candidate(r, "local", False)
+            for r in candidates(state.records, include_unhealthy=include_unhealthy)
+        ]
+
+    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T:
+        return loader(cand.record)
+
+
+def open_tiers(settings: Settings, store: StoreDir) -> tuple[CheckpointSource, list[CommitObserver]]:
+    """Where restores look and who hears of commits: the local store alone, or with
+    ``settings.remote`` the remote tier, both. Called by the writing process only (it may read
+    the remote's journal)."""
+    if not settings.remote:
+        return LocalSource(), []
+    from smartckpt_cli.remote.tier import RemoteTier
+
+    tier = RemoteTier.open(settings, store)
+    return tier, [tier]

@@ -1,0 +1,269 @@
+"""The save path of :class:`~smartckpt_cli.engine.manager.CheckpointManager`: a snapshot on the
+training thread, the persist on the background save thread, retention after each commit.
+
+Order of calls: ``save()`` or a step's decision calls ``_save`` (training thread): it waits for
+the save in flight (its staging buffers are about to be refilled), takes the snapshot (the only
+time the loop waits: eager copies now, lazy ones guarded by the optimizer pre-hook) and hands it
+to the save thread, which runs ``_persist``: the coordinator's persist (one process: under the
+shared ``gc.lock``; several ranks: the two-phase commit), then the commit observers
+(``on_commit``), the cost average (trigger/cost.py) and ``_retain``. A failure there is logged,
+counted, journalled and never raised into the training thread. A preemption signal makes
+``_preempted`` take a blocking save, tell the observers (``on_preempt``) and hand the signal on.
+
+This is a mixin, as :mod:`.stepping` is: the state it reads is the manager's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from smartckpt_cli.config import Settings
+from smartckpt_cli.engine import distributed, heartbeat
+from smartckpt_cli.engine.cadence import StepClock
+from smartckpt_cli.engine.coordinator import Coordinator
+from smartckpt_cli.engine.observers import CommitObserver
+from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.snapshot import Stager, take_snapshot
+from smartckpt_cli.engine.writer import CommitInfo, Persister
+from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
+from smartckpt_cli.trigger.cost import SaveCost
+from smartckpt_cli.trigger.policies import Decision
+from smartckpt_cli.trigger.reading import SignalReading
+from smartckpt_cli.trigger.trace import TraceWriter
+
+if TYPE_CHECKING:
+    from smartckpt_cli.engine.stepping import StepResult
+
+__all__ = ["SaveHandle", "SavePath", "SaveStats", "reading_meta"]
+
+logger = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """A save in progress. ``wait()`` returns its :class:`CommitInfo` (None when it failed or
+    was skipped); ``error`` holds the failure."""
+
+    def __init__(self, step: int, future: Future[CommitInfo] | None, snapshot: Any = None) -> None:
+        self.step = step
+        self._future = future
+        self._snapshot = snapshot
+        self.blocking_seconds = 0.0  # time save() itself blocked the caller (the eager copies)
+        self.lazy = bool(snapshot is not None and snapshot.lazy)
+
+    @property
+    def loop_wait_seconds(self) -> float:
+        """What the training loop waited for this checkpoint: the eager part of the snapshot plus
+        what the optimizer pre-hook waited for the lazy copies."""
+        guard = self._snapshot.guard_seconds if self._snapshot is not None else 0.0
+        return self.blocking_seconds + guard
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        if self._future is None:
+            return None
+        try:
+            return self._future.result(timeout)
+        except SmartckptError:
+            return None
+        except OSError:
+            return None
+
+    @property
+    def error(self) -> BaseException | None:
+        if self._future is None or not self._future.done():
+            return None
+        return self._future.exception()
+
+
+@dataclass
+class SaveStats:
+    """What the background saves did (read and written under ``_stats_lock``)."""
+
+    failures: list[str] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    commits: int = 0
+
+
+class SavePath:
+    """The manager's save methods (module docstring)."""
+
+    settings: Settings
+    store: StoreDir
+    _coord: Coordinator
+    _observers: list[CommitObserver]
+    _persister: Persister
+    _saver: ThreadPoolExecutor
+    _stager: Stager
+    _objects: dict[str, tuple[str, Any]]
+    _optimizers: list[Any]
+    _meta: dict[str, Any]
+    _trace: TraceWriter
+    _preempt: PreemptionWatch
+    _clock: StepClock
+    _closed: bool
+    _inflight: SaveHandle | None
+    _lazy_snapshot: Any
+    _stats: SaveStats
+    _stats_lock: threading.Lock
+    _cost: SaveCost
+    _pruned_seen: int
+    _last_loss: torch.Tensor | float | None
+    _last_reading: SignalReading | None
+    _quiet: tuple[float, float]
+    _wish: Decision | None
+    _scheduled: tuple[int | None, float]
+    _committed: tuple[int | None, float]
+    last_commit: CommitInfo | None
+
+    _uncalm: Callable[[], None]  # stepping.py
+
+    def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
+        """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
+        flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
+        also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
+        handle = self._save(step, Decision(True, reason), lazy=False)
+        if blocking:
+            with heartbeat.heartbeat_state("SAVING"):
+                handle.wait()
+        return handle
+
+    def _preempted(self, step: int, signum: int, result: StepResult) -> StepResult:
+        import signal as _signal
+
+        name = _signal.Signals(signum).name
+        logger.warning("%s received: taking a blocking checkpoint at step %d", name, step)
+        with heartbeat.heartbeat_state("SAVING"):
+            handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
+            handle.wait()
+            for observer in self._observers:  # the node may not come back: get it off the node first
+                observer.on_preempt()
+        self._trace.flush()
+        result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
+        self._preempt.finish(signum)  # exits through the signal unless told to continue
+        return result
+
+    def _loss_is_finite(self) -> bool:
+        loss = self._last_loss
+        if loss is None:
+            return True
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)  # one sync per save
+        return math.isfinite(value)
+
+    def _save(
+        self, step: int, decision: Decision, *, lazy: bool, objects: dict[str, tuple[str, Any]] | None = None
+    ) -> SaveHandle:
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight: its staging buffers are about to be refilled
+        snap = take_snapshot(
+            self._objects if objects is None else objects,
+            stager=self._stager,
+            step=step,
+            reason=decision.reason,
+            score=decision.score,
+            precision=self.settings.precision,
+            rules=self.settings.tiers,
+            meta=self._meta,
+            lazy_params=self._guarded_params() if lazy else None,
+        )
+        healthy = self._loss_is_finite()
+        snap.health = "ok" if healthy else "nonfinite-loss"
+        snap.calm = decision.calm and healthy
+        snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
+        snap_time = time.monotonic()
+        self._trace.flush()
+        if healthy:
+            self._scheduled = (step, snap_time)
+        if snap.lazy:
+            self._lazy_snapshot = snap
+        # The schedule moved: ask the policy at the next step; that step's time is not a step's.
+        self._quiet, self._wish = (-math.inf, -math.inf), None
+        self._clock.skip()
+        self._uncalm()
+        future = self._saver.submit(self._persist, snap, snap_time)
+        handle = SaveHandle(step, future, snap)
+        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
+        self._inflight = handle
+        return handle
+
+    def _guarded_params(self) -> set[int]:
+        return {
+            distributed.local_tensor(p).untyped_storage().data_ptr()
+            for opt in self._optimizers
+            for g in opt.param_groups
+            for p in g["params"]
+        }
+
+    def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
+        try:
+            info = self._coord.persist(self._persister, snap, self.store.meta_root / GC_LOCK)
+        except Exception as err:
+            msg = f"save of step {snap.step} failed: {type(err).__name__}: {err}"
+            logger.error("%s (training continues; the next trigger tries again)", msg)
+            with self._stats_lock:
+                self._stats.failures.append(msg)
+                self._scheduled = self._committed
+            try:
+                if self._coord.leads:  # one line per failed save, whichever rank failed
+                    self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
+            except OSError:
+                pass
+            raise
+        self.last_commit = info
+        for observer in self._observers:
+            try:
+                observer.on_commit(info)
+            except Exception as err:  # the commit stands whatever an observer does
+                logger.warning("after the commit of step %d: %s: %s", snap.step, type(observer).__name__, err)
+        with self._stats_lock:
+            self._stats.commits += 1
+            if info.health == "ok":
+                self._committed = (snap.step, snap_time)
+            else:  # non-finite weights found while writing: it does not count against the budget
+                self._scheduled = self._committed
+            self._cost.add(snap.blocking_seconds + snap.guard_seconds, info.seconds)
+        try:
+            self._retain()
+        except (OSError, SmartckptError) as err:
+            logger.warning("retention after step %d failed: %s", snap.step, err)
+        return info
+
+    def _retain(self) -> None:
+        state = self.store.journal.read()
+        doomed = select_prunable(state.records, self.settings.keep_last)
+        if doomed and self._coord.leads:  # one rank prunes the journal
+            prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
+        leader = self._coord.collects_garbage()  # the lowest rank of every disk
+        pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
+        if leader and (doomed or pruned > self._pruned_seen):
+            self._pruned_seen = pruned
+            collect_garbage(self.store.storage, self.store.blobs, self.store.journal, self.store.meta_root)
+
+    def wait(self) -> CommitInfo | None:
+        """Wait for the save in flight, if any; returns its CommitInfo (None if it failed)."""
+        handle, self._inflight = self._inflight, None
+        return handle.wait() if handle is not None else None
+
+
+def reading_meta(r: SignalReading | None) -> dict[str, Any] | None:
+    """The signals that led to a checkpoint, for its manifest."""
+    if r is None:
+        return None
+    out = {"step": r.step, "loss": r.loss, "curvature": r.curvature, "grad_var": r.grad_var}
+    if r.memory is not None:
+        out["memory"] = r.memory
+    return out
