@@ -43,10 +43,11 @@ from typing import Any, Protocol, runtime_checkable
 from smartckpt_cli.engine import distributed
 from smartckpt_cli.engine.cadence import decide_gap
 from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
+from smartckpt_cli.engine.reshard import load_resharded
 from smartckpt_cli.engine.restore import Loaded, load_checkpoint
 from smartckpt_cli.engine.snapshot import Snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
-from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError, StateMismatchError
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.storage.local import file_lock
@@ -162,6 +163,8 @@ class SingleProcess:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
+        if distributed.needs_reshard(record.event, 1):
+            return _resharded(store, record, store_id, 0, 1, skip_corrupt_l2)
         return load_checkpoint(
             store.storage, store.blobs, record, store_id, skip_corrupt_l2=skip_corrupt_l2, workers=workers
         )
@@ -171,9 +174,6 @@ class SingleProcess:
         tried: list[str] = []
         for item in order:
             rec = item.record
-            mismatch = distributed.world_mismatch(rec.step, distributed.record_world(rec.event), 1)
-            if mismatch is not None:
-                raise StateMismatchError(mismatch)
             try:
                 loaded = load(item)
             except CheckpointCorrupt as err:
@@ -287,6 +287,8 @@ class Ranks:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
+        if distributed.needs_reshard(record.event, self.world):
+            return _resharded(store, record, store_id, self.rank, self.world, skip_corrupt_l2)
         return load_part(
             store.storage,
             store.blobs,
@@ -307,6 +309,26 @@ class Ranks:
             )
         except CheckpointCorrupt as err:
             raise NoCheckpointError(f"{where}: {err}") from None
+
+
+def _resharded(
+    store: StoreDir, record: CheckpointRecord, store_id: str | None, rank: int, world: int, skip_l2: bool
+) -> Loaded:
+    """A checkpoint of another world size, read for ``rank`` of ``world`` (elastic resume)."""
+    loaded, report = load_resharded(
+        store.storage, store.blobs, record, store_id, rank, world, skip_corrupt_l2=skip_l2
+    )
+    if rank == 0:  # a warning: the world changed, and with it the RNG of new ranks and the data order
+        logger.warning("%s", report.line())
+    else:
+        logger.info(
+            "rank %d read %.1f MB of %.1f MB stored (old parts %s)",
+            rank,
+            report.bytes_read / 1e6,
+            report.bytes_stored / 1e6,
+            sorted(report.parts_read),
+        )
+    return loaded
 
 
 def make_coordinator(setting: str, root: Path, *, remote: bool = False) -> Coordinator:

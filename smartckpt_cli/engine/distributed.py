@@ -45,10 +45,10 @@ __all__ = [
     "entry_owner",
     "guard_destroy",
     "local_tensor",
+    "needs_reshard",
     "part_rel",
     "record_manifests",  # re-exported from journal
     "record_world",
-    "world_mismatch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,13 +185,10 @@ def record_world(event: dict[str, Any]) -> int:
     return int(event.get("world_size", 1))
 
 
-def world_mismatch(step: int, written: int, now: int) -> str | None:
-    if written == now:
-        return None
-    return (
-        f"checkpoint of step {step} was written by {written} rank(s); this run has {now}: restoring at "
-        "another world size is not supported yet (resharding); run with the same number of ranks"
-    )
+def needs_reshard(event: dict[str, Any], world: int) -> bool:
+    """Whether a checkpoint's commit line says it was written at another world size than
+    ``world`` (its state is then read by :mod:`.reshard`)."""
+    return record_world(event) != world
 
 
 # ---------------------------------------------------------------------- destroy guard

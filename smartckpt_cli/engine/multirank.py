@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from smartckpt_cli._faults import fault_fail
-from smartckpt_cli.engine.distributed import Comm, entry_owner, part_rel, record_world, world_mismatch
+from smartckpt_cli.engine.distributed import Comm, entry_owner, part_rel
 from smartckpt_cli.engine.restore import Loaded, load_checkpoint, read_manifest
 from smartckpt_cli.engine.snapshot import Snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister, Written
@@ -221,26 +221,31 @@ def restore_distributed(
     load: Any,
 ) -> Loaded | None:
     """The newest of ``records`` (rank 0's list, newest first) that every rank can load; ``load``
-    (record -> Loaded) loads this rank's part. Returns None when there is none; raises
-    StateMismatchError when the newest was written at another world size."""
+    (record -> Loaded) loads this rank's part, resharded when the checkpoint was written at another
+    world size. Returns None when there is none; raises StateMismatchError on every rank when any
+    rank's state cannot be carried (one rank refusing alone would leave the others waiting)."""
     ids = comm.broadcast([r.id for r in records])
     by_id = {r.id: r for r in records}
     tried: list[str] = []
     for cid in ids:
         rec = by_id.get(cid)
-        verdict: str | None = None
+        verdict: list[str] | None = None
         loaded: Loaded | None = None
         if rec is None:
-            verdict = "not in this rank's view of the journal"
-        elif (why := world_mismatch(rec.step, record_world(rec.event), comm.world)) is not None:
-            raise StateMismatchError(why)
+            verdict = ["corrupt", "not in this rank's view of the journal"]
         else:
             try:
                 loaded = load(rec)
             except CheckpointCorrupt as err:
-                verdict = str(err)
+                verdict = ["corrupt", str(err)]
+            except StateMismatchError as err:
+                verdict = ["refused", str(err)]
         verdicts = comm.gather(verdict)
-        bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+        refused = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None and v[0] == "refused"]
+        if refused:
+            r, why = refused[0]
+            raise StateMismatchError(why if r == comm.rank else f"rank {r}: {why}")
+        bad = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None]
         if not bad:
             return loaded
         step = rec.step if rec is not None else "?"

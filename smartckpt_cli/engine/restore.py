@@ -24,7 +24,14 @@ from smartckpt_cli.store.checkpoints import candidates, read_manifest
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.storage.base import Storage
 
-__all__ = ["Loaded", "candidates", "load_checkpoint", "read_manifest"]  # the two are re-exported
+__all__ = [
+    "Loaded",
+    "candidates",
+    "decode_entry",
+    "decode_rows",
+    "load_checkpoint",
+    "read_manifest",
+]  # the two are re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,50 @@ def _decode_entry(blobs: BlobStore, key: str, entry: dict[str, Any]) -> torch.Te
         idx = buf[: n * 8].view(torch.int64)
         val = buf[n * 8 :].view(dtype)
     return precision.expand(stored, entry["transform"], dtype, idx, val)
+
+
+def _encoded(entry: dict[str, Any]) -> int:
+    return sum(
+        int(c[4]) for stream in (entry["data"], entry.get("patch") or {}) for c in stream.get("chunks", [])
+    )
+
+
+def decode_entry(blobs: BlobStore, key: str, entry: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """One entry, verified, and the encoded bytes read for it."""
+    return _decode_entry(blobs, key, entry), _encoded(entry)
+
+
+def decode_rows(
+    blobs: BlobStore, key: str, entry: dict[str, Any], dim: int, start: int, stop: int
+) -> tuple[torch.Tensor, int]:
+    """Rows ``[start, stop)`` of dimension ``dim`` of an entry, verified, and the encoded bytes
+    read. Rows of dimension 0 of an exactly stored entry are contiguous bytes: only the chunks
+    holding them are read (each decoded whole, since a chunk's hash covers all of it); anything
+    else is decoded whole and cut."""
+    shape = list(entry["shape"])
+    exact = entry["transform"].get("kind", "none") == "none" and not entry.get("patch")
+    if dim != 0 or not exact or entry["stored_dtype"] != entry["dtype"]:
+        whole, nbytes = decode_entry(blobs, key, entry)
+        return whole.narrow(dim, start, stop - start), nbytes
+    dtype = lookup(entry["dtype"])
+    out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
+    row = out[0].numel() * out.element_size() if out.numel() else 0
+    lo, hi = start * row, stop * row
+    dest = precision.byte_view(out)
+    pos = nbytes = 0
+    for bid, cod, raw_len, rh, enc_len in entry["data"]["chunks"]:
+        c_lo, c_hi = pos, pos + int(raw_len)
+        pos = c_hi
+        a, b = max(lo, c_lo), min(hi, c_hi)
+        if a >= b:
+            continue
+        buf = np.empty(int(raw_len), dtype=np.uint8)
+        _read_stream(blobs, {"chunks": [[bid, cod, raw_len, rh, enc_len]]}, buf, out.element_size(), key)
+        dest[a - lo : b - lo] = buf[a - c_lo : b - c_lo]
+        nbytes += int(enc_len)
+    if pos < hi:
+        raise ValueError(f"chunks of {key} cover {pos} bytes, rows up to {stop} need {hi}")
+    return out, nbytes
 
 
 def load_checkpoint(

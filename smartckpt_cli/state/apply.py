@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from smartckpt_cli.errors import CheckpointCorrupt, StateMismatchError
+from smartckpt_cli.state.data import LoaderState, load_stateful_loader
 from smartckpt_cli.state.optstate import check_optimizer
 from smartckpt_cli.state.tree import find_mesh, flatten, tensor_keys, unflatten
 from smartckpt_cli.store.journal import CheckpointRecord
@@ -97,9 +98,34 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 sd["state"] = {}
             check_optimizer(name, sd, obj, saved[name].get("param_shapes"))
         plan.append((obj, sd))
+    # Another world size (engine/reshard.py): loader positions are carried by their own rules
+    # and may still refuse, so they go first, before anything else has changed.
+    resharded = manifest.get("resharded_from")
+    plan.sort(key=lambda item: not isinstance(item[0], LoaderState))
     for obj, sd in plan:
         try:
+            if resharded is not None and isinstance(obj, LoaderState):
+                obj.load_state_dict(sd, world=int(resharded))
+                if (line := obj.describe_reshard()) is not None:
+                    logger.info("%s", line)
+                continue
+            if resharded is not None and _stateful_loader(obj):
+                load_stateful_loader(obj, sd, saved_world=int(resharded), world=_world())
+                continue
             obj.load_state_dict(sd)
         except (RuntimeError, ValueError, KeyError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise StateMismatchError(f"loading into {type(obj).__name__} failed: {first}") from err
+
+
+def _stateful_loader(obj: Any) -> bool:
+    """A DataLoader with its own ``state_dict`` (torchdata's ``StatefulDataLoader``)."""
+    from torch.utils.data import DataLoader
+
+    return isinstance(obj, DataLoader) and hasattr(obj, "load_state_dict")
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

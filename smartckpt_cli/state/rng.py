@@ -34,6 +34,9 @@ class RNGState:
             import numpy as np
 
             np.random.set_state(state["numpy"])
+        if "cuda_seed" in state and torch.cuda.is_available():
+            # A rank that did not exist when the checkpoint was written (engine/reshard.py).
+            torch.cuda.manual_seed_all(int(state["cuda_seed"]))
         if "cuda" in state:
             if not torch.cuda.is_available():
                 logger.warning("checkpoint has CUDA RNG state but no GPU is available; not restored")

@@ -35,7 +35,7 @@ def flatten(obj: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     def walk(value: Any, path: str) -> Any:
         if _is_dtensor(value):
             # FSDP2 / DTensor: each rank stores its local shard; the global shape and placements
-            # let the same world size rebuild it (another world size is refused at restore).
+            # let any world size rebuild it (engine/reshard.py reads the overlapping rows).
             tensors[path] = value.to_local().detach()
             return {"__dt": [path, list(value.shape), [_placement(p) for p in value.placements]]}
         if isinstance(value, torch.Tensor):
@@ -132,6 +132,10 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor], mesh: Any = None)
                 return tensors[val]
             if tag == "__dt":
                 if mesh is None:
+                    # Nothing sharded now: a single process takes the tensor whole, which a
+                    # restore at another world size assembled from every old shard.
+                    if list(tensors[val[0]].shape) == list(val[1]):
+                        return tensors[val[0]]
                     raise UnsupportedValueError(
                         f"'{val[0]}' was saved sharded (DTensor) but nothing registered is sharded now"
                     )
