@@ -136,3 +136,24 @@ def test_killed_at_two_ranks_under_smartckpt_run_and_restarted_at_one_finishes(t
     assert second.returncode == 0, out[-4000:]
     assert "rank 0 start 10" in out and "rank 0 step 20 loss" in out, out[-4000:]
     assert "written by 2 rank(s), restored on 1" in out, out[-4000:]
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_every_rank_in_one_line(tmp_path, child_env):
+    """Saved at 2 ranks with 34 hidden units, restored at 3 with 36: rank 0's local shard would
+    have fitted (12 rows either way), so the global shapes decide, alike on every rank: no rank
+    loads anything, none waits for the others."""
+    _launch(2, ["--dir", "ck", "--total", "3", "--save-every", "3"], tmp_path, child_env)
+    proc = subprocess.run(
+        [*TORCHRUN, "3", str(SCRIPT), "--dir", "ck", "--total", "6", "--width", "36"],
+        cwd=tmp_path, env={**child_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    found = [
+        ln.split("StateMismatchError: ", 1)[1] for ln in out.splitlines() if "StateMismatchError: " in ln
+    ]
+    assert len(found) >= 3 and len(set(found)) == 1, out[-3000:]  # every rank, the same line
+    assert re.fullmatch(
+        r"model/0\.(weight|bias): checkpoint shape 34(x16)? does not match the model's 36(x16)?", found[0]
+    ), found[0]
+    assert not re.search(r"rank \d of 3 start", out)  # no rank went on to train

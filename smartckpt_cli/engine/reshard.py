@@ -37,7 +37,7 @@ from smartckpt_cli.engine.restore import decode_entry, decode_rows
 from smartckpt_cli.errors import CheckpointCorrupt, StateMismatchError
 from smartckpt_cli.state.apply import Loaded
 from smartckpt_cli.state.shards import chunk_range, pieces, sharded_dim
-from smartckpt_cli.state.tree import flatten
+from smartckpt_cli.state.tree import dtensor_specs, flatten
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.checkpoints import read_manifest
 from smartckpt_cli.store.journal import CheckpointRecord
@@ -103,21 +103,8 @@ def _seeded_rng_state(seed: int, saved_tree: Any) -> dict[str, Any]:
 def sharded_entries(manifest: dict[str, Any]) -> dict[str, tuple[list[int], list[str]]]:
     """``{key: (global shape, placements)}`` of every DTensor entry of a manifest."""
     out: dict[str, tuple[list[int], list[str]]] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            if len(node) == 1 and "__dt" in node:
-                key, shape, placements = node["__dt"][:3]
-                out[key] = (list(shape), list(placements))
-                return
-            for v in node.values():
-                walk(v)
-
     for obj in manifest.get("objects", {}).values():
-        walk(obj.get("tree"))
+        out.update(dtensor_specs(obj.get("tree")))
     return out
 
 
@@ -201,7 +188,6 @@ def load_resharded(
         raise CheckpointCorrupt(f"step {record.step}: {tier} entry {key}: {err}", tier=tier) from err
 
     for key, entry in entries.items():
-        report.bytes_stored += sum(int(c[4]) for c in entry["data"]["chunks"])
         obj = key.split("/", 1)[0]
         if kinds.get(obj) == "rng" and rank >= old:
             continue  # replaced below
@@ -222,6 +208,7 @@ def load_resharded(
                 fail(key, err)
                 continue
             report.bytes_read += nbytes
+            report.bytes_stored += _encoded(entry)
             report.replicated += 1
             continue
         shape = placement[0] if placement is not None else []
@@ -249,6 +236,7 @@ def load_resharded(
             continue
         tensors[key] = out
         entries[key] = {**entry, "shape": out_shape}
+        report.bytes_stored += sum(_encoded(parts.entry(q, key)) for q in range(old))
         report.resharded += 1
 
     manifest["resharded_from"] = old  # apply: the data position and stateful loaders read it
@@ -263,6 +251,12 @@ def load_resharded(
         skipped,
     )
     return loaded, report
+
+
+def _encoded(entry: dict[str, Any]) -> int:
+    return sum(
+        int(c[4]) for stream in (entry["data"], entry.get("patch") or {}) for c in stream.get("chunks", [])
+    )
 
 
 def _dtype(entry: dict[str, Any]) -> torch.dtype:

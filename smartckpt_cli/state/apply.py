@@ -16,7 +16,7 @@ import torch
 from smartckpt_cli.errors import CheckpointCorrupt, StateMismatchError
 from smartckpt_cli.state.data import LoaderState, load_stateful_loader
 from smartckpt_cli.state.optstate import check_optimizer
-from smartckpt_cli.state.tree import find_mesh, flatten, tensor_keys, unflatten
+from smartckpt_cli.state.tree import dtensor_specs, find_mesh, flatten, tensor_keys, unflatten
 from smartckpt_cli.store.journal import CheckpointRecord
 
 __all__ = ["Loaded", "apply_checkpoint"]
@@ -56,6 +56,18 @@ def _check_module(name: str, ckpt: dict[str, torch.Tensor], current: dict[str, t
             )
 
 
+def _check_global(saved: Any, live: Any) -> None:
+    """Sharded entries: the global shapes, identical on every rank, so that a checkpoint of
+    another model is refused by every rank alike (local shards may match by chance)."""
+    now = dtensor_specs(live)
+    for key, (shape, _) in dtensor_specs(saved).items():
+        if key in now and now[key][0] != shape:
+            raise StateMismatchError(
+                f"{key}: checkpoint shape {_shape(torch.empty(shape, device='meta'))} does not match "
+                f"the model's {_shape(torch.empty(now[key][0], device='meta'))}"
+            )
+
+
 def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> None:
     manifest = loaded.manifest
     saved = manifest["objects"]
@@ -71,7 +83,7 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
             )
             continue
         skeleton = saved[name]["tree"]
-        _, current = flatten(obj.state_dict(), name)
+        live_tree, current = flatten(obj.state_dict(), name)
         tensors: dict[str, torch.Tensor] = {}
         reset_l2 = False
         for key in tensor_keys(skeleton):
@@ -90,6 +102,7 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 raise CheckpointCorrupt(f"step {loaded.record.step}: entry {key} is missing", tier="L1")
         sd = unflatten(skeleton, tensors, mesh)
         if kind == "module":
+            _check_global(skeleton, live_tree)
             _check_module(name, {k: t for k, t in tensors.items()}, current)
         elif kind == "optimizer":
             if reset_l2:

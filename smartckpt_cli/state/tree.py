@@ -19,7 +19,7 @@ import torch
 from smartckpt_cli.errors import UnsupportedValueError
 from smartckpt_cli.state.dtypes import dtype_name
 
-__all__ = ["find_mesh", "flatten", "local_tensor", "rebuild_dtensor", "unflatten"]
+__all__ = ["dtensor_specs", "find_mesh", "flatten", "local_tensor", "rebuild_dtensor", "unflatten"]
 
 _TAGS = ("__t", "__dt", "__np", "__tuple", "__map", "__float", "__bytes", "__dtype", "__device")
 
@@ -173,6 +173,26 @@ def tensor_keys(skeleton: Any) -> list[str]:
                 return
             if len(node) == 1 and next(iter(node)) == "__dt":
                 out.append(node["__dt"][0])
+                return
+            for v in node.values():
+                walk(v)
+
+    walk(skeleton)
+    return out
+
+
+def dtensor_specs(skeleton: Any) -> dict[str, tuple[list[int], list[str]]]:
+    """``{key: (global shape, placements)}`` of every sharded (DTensor) entry of a skeleton."""
+    out: dict[str, tuple[list[int], list[str]]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if len(node) == 1 and "__dt" in node:
+                key, shape, placements = node["__dt"][:3]
+                out[key] = (list(shape), list(placements))
                 return
             for v in node.values():
                 walk(v)

@@ -13,6 +13,9 @@ Arguments:
   --dump DIR       rank 0 writes the full (gathered) state: ``saved-<step>.pt`` at every save,
                    ``restored-<step>.pt`` right after a restore
   --samples        print the sample ids of each step: ``ids R STEP a,b,c``
+  --width W        hidden width (default 34; another width is another model)
+  --layers L       L more W x W layers (benchmarks/elastic_read.py)
+  --info           smartckpt's INFO lines (what each rank read when resharding)
 
 The data: 96 samples, ``DistributedSampler(seed=5)``, batch 4 per rank; each sample carries its id.
 Output per rank: ``rank R of W start S``, ``rank R done N``.
@@ -21,6 +24,7 @@ Output per rank: ``rank R of W start S``, ``rank R done N``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from typing import Any
 
@@ -60,11 +64,19 @@ def main() -> int:
     p.add_argument("--dump", default=None)
     p.add_argument("--samples", action="store_true")
     p.add_argument("--single", action="store_true")
+    p.add_argument("--width", type=int, default=34, help="hidden width (another model: a mismatch)")
+    p.add_argument("--layers", type=int, default=0, help="hidden width x width layers (benchmarks)")
+    p.add_argument("--info", action="store_true", help="smartckpt's INFO lines (bytes read per rank)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights everywhere
-    net = torch.nn.Sequential(torch.nn.Linear(16, 34), torch.nn.Tanh(), torch.nn.Linear(34, 5))
+    if args.info:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    hidden = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, args.width), torch.nn.Tanh(), *hidden, torch.nn.Linear(args.width, 5)
+    )
     if args.single:
         rank, world, dist = 0, 1, None
         model: torch.nn.Module = net
