@@ -166,3 +166,37 @@ def test_export_safetensors_is_whole_and_loads_without_smartckpt(
     flat = load_file(out)
     _bitwise({k.removeprefix("model/"): v for k, v in flat.items() if k.startswith("model/")}, saved["model"])
     assert torch.equal(flat["optimizer/state/0/exp_avg"], saved["optimizer"][0]["exp_avg"])
+
+
+def test_ddp_store_shows_two_ranks_nothing_sharded_and_exports_rank_0s_weights(tmp_path: Path) -> None:
+    """DDP: every rank holds whole tensors; inspect says 2 ranks and nothing sharded, export
+    writes the weights as every rank holds them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(ROOT / "tests" / "scripts" / "ddp_train.py"), "--mode", "ddp", "--total", "10"]
+    cmd += ["--every", "5", "--dir", "ck", "--out", "final"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ck = tmp_path / "ck"
+
+    result = runner.invoke(app, ["inspect", str(ck), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["checkpoints"]
+    assert [(r["step"], r["world_size"], r["sharded"], r["sharding"]) for r in rows] == [
+        (10, 2, 0, "-"),
+        (5, 2, 0, "-"),
+    ]
+    result = runner.invoke(app, ["inspect", str(ck), "--step", "10"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "world size 2: no tensor sharded" in result.stdout
+    assert "restorable at any world size" in result.stdout
+
+    out = tmp_path / "w.pt"
+    result = runner.invoke(app, ["export", str(ck), str(out), "--weights-only"])
+    assert result.exit_code == 0, result.output
+    got = torch.load(out, weights_only=True)
+    for rank in (0, 1):  # DDP: the same weights on both ranks
+        want = torch.load(tmp_path / f"final.r{rank}", weights_only=True)["model"]
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
