@@ -37,6 +37,9 @@ def export(
     With --weights-only and one model, the file holds that model's state_dict itself; otherwise
     a dict {object name: state_dict} (plus 'smartckpt': step and id, for torch).
 
+    A checkpoint written by several ranks (torchrun, FSDP2) becomes one file: each sharded tensor
+    whole, assembled from every rank's part, for an unsharded model.
+
     \b
     Examples:
       smartckpt export ./checkpoints model.pt --weights-only
@@ -47,7 +50,8 @@ def export(
     Exit codes:
       0  written
       1  the checkpoint is corrupt or the store has none
-      2  bad input: not a store, no such step, OUT exists, safetensors not installed
+      2  bad input: not a store, no such step, OUT exists, safetensors not installed, a
+         multi-rank layout that cannot be consolidated (2-D mesh)
     """
     from smartckpt_cli.ops.export import export as run_export
     from smartckpt_cli.store.directory import open_store
@@ -57,6 +61,7 @@ def export(
     say(
         f"exported step {result.step} ({result.id}) to {result.path}: {result.format}, "
         f"{', '.join(result.objects)}; {result.tensors} tensors, {human(result.bytes)}"
+        + (f"; consolidated from {result.world_size} ranks" if result.world_size > 1 else "")
     )
     if result.not_stored:
         say(

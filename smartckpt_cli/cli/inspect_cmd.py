@@ -25,9 +25,11 @@ def inspect(
 ) -> None:
     """List the checkpoints of a store, newest first (alias: ls).
 
-    One row per checkpoint: step, UTC time, trigger reason and score, health, tiers, optimizer
-    precision, bytes on disk that only it holds vs bytes shared with other checkpoints, its last
-    verification, and whether it is live, rolled back or pruned. '>' marks what a resume loads.
+    One row per checkpoint: step, UTC time, trigger reason and score, health, the ranks that
+    wrote it and how its tensors are sharded (2 S0×12: two ranks, 12 DTensors as Shard(0)),
+    tiers, optimizer precision, bytes on disk that only it holds vs bytes shared with other
+    checkpoints, its last verification, and whether it is live, rolled back or pruned. '>' marks
+    what a resume loads.
 
     \b
     Examples:
@@ -64,6 +66,7 @@ def inspect(
         ("time (UTC)", "left"),
         ("reason", "left"),
         ("health", "left"),
+        ("ranks", "left"),
         ("tiers", "left"),
         ("precision", "left"),
         ("unique", "right"),
@@ -82,6 +85,7 @@ def inspect(
             escape((r.utc or "-").replace("T", " ").rstrip("Z")),
             escape(reason or "-"),
             escape(r.health if r.manifest_problem is None else "MANIFEST: " + r.manifest_problem),
+            str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
             "+".join(r.tiers) if on_disk else "-",
             r.precision if on_disk else "-",
             human(r.bytes_unique) if on_disk else "-",
@@ -140,12 +144,17 @@ def _render_detail(detail: object) -> None:
         markup=False,
     )
     console.print(
-        f"manifest {detail.manifest_path}; {human(r.bytes_total)} on disk, {human(r.bytes_unique)} "
+        f"manifest {detail.manifest_path}; {human(r.bytes_total)} on disk"
+        + (" (rank 0's part)" if r.world_size > 1 else "")
+        + f", {human(r.bytes_unique)} "
         f"unique, {human(r.bytes_shared)} shared; verified: {r.verified}"
         + (f" ({r.verified_utc})" if r.verified_utc else ""),
         markup=False,
     )
     console.print("objects: " + ", ".join(f"{n} ({k})" for n, k in detail.objects.items()), markup=False)
+    sharding = detail.sharding_line()
+    if sharding is not None:
+        console.print(sharding, markup=False)
     versions = detail.meta.get("versions") or {}
     if versions or detail.meta.get("host"):
         console.print(
@@ -174,7 +183,7 @@ def _render_detail(detail: object) -> None:
             escape(e.key),
             e.tier,
             e.dtype,
-            "x".join(map(str, e.shape)) or "scalar",
+            _shape(e.shape) + (f" of {_shape(e.global_shape)}" if e.global_shape is not None else ""),
             stored,
             str(e.chunks),
             human(e.bytes_raw),
@@ -183,3 +192,7 @@ def _render_detail(detail: object) -> None:
     console.print(table)
     if detail.not_stored:
         console.print(f"not stored (L4): {', '.join(detail.not_stored)}", markup=False)
+
+
+def _shape(shape: list[int]) -> str:
+    return "x".join(map(str, shape)) or "scalar"

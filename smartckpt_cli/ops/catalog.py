@@ -4,6 +4,11 @@ Everything comes from the journal (what exists, in which order, pruned or rolled
 verification) and the manifests (tiers, precision, chunk sizes); no blob is read. Bytes are the
 encoded bytes on disk: a checkpoint's *unique* bytes are those no other checkpoint still on disk
 references (what pruning it alone frees), the rest are *shared*.
+
+A checkpoint written by several ranks: its world size comes from the journal's commit line, its
+sharding from rank 0's part (the ``{"__dt": [key, global shape, placements]}`` nodes of the
+object skeletons, read here without torch); the tiers, precision, bytes and the detail's tensors
+are rank 0's part.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ __all__ = [
     "active_writer",
     "blob_sizes",
     "describe",
+    "dtensor_nodes",
     "list_checkpoints",
+    "sharding_summary",
+    "world_size",
 ]
 
 
@@ -49,6 +57,9 @@ class Row:
     verified_problem: str | None = None
     restore_target: bool = False  # what a resume loads now (newest live healthy)
     manifest_problem: str | None = None
+    world_size: int = 1  # ranks that wrote it (journal)
+    sharded: int = 0  # DTensor entries sharded over them (rank 0's part: its skeletons)
+    sharding: str = "-"  # e.g. "S0×12"; "-" for none, "?" when the manifest is unreadable
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
@@ -78,6 +89,54 @@ def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
             for chunk in (stream or {}).get("chunks", []):
                 out[str(chunk[0])] = int(chunk[4])
     return out
+
+
+def world_size(rec: CheckpointRecord) -> int:
+    """How many ranks wrote ``rec`` (1 for a single-process checkpoint)."""
+    n = rec.event.get("world_size")
+    if isinstance(n, int) and n > 0:
+        return n
+    return max(1, len(rec.event.get("parts") or []))
+
+
+def dtensor_nodes(manifest: dict[str, Any]) -> dict[str, tuple[list[int], list[str]]]:
+    """``{key: (global shape, placements)}`` of every DTensor entry of a manifest (the
+    ``{"__dt": [key, shape, placements]}`` nodes of its object skeletons)."""
+    out: dict[str, tuple[list[int], list[str]]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, dict):
+            if len(node) == 1 and "__dt" in node:
+                key, shape, placements = node["__dt"][:3]
+                out[str(key)] = ([int(n) for n in shape], [str(p) for p in placements])
+                return
+            for v in node.values():
+                walk(v)
+
+    for obj in manifest.get("objects", {}).values():
+        if isinstance(obj, dict):
+            walk(obj.get("tree"))
+    return out
+
+
+def _is_sharded(placements: list[str]) -> bool:
+    return any(p.startswith("S") for p in placements)
+
+
+def sharding_summary(nodes: dict[str, tuple[list[int], list[str]]]) -> tuple[int, str]:
+    """The sharded entries' count and their placements counted: ``(12, "S0×12")``, ``(0, "-")``;
+    a 2-D mesh reads ``S0,R×4``."""
+    counts: dict[str, int] = {}
+    for _shape, placements in nodes.values():
+        if _is_sharded(placements):
+            name = ",".join(placements)
+            counts[name] = counts.get(name, 0) + 1
+    if not counts:
+        return 0, "-"
+    return sum(counts.values()), " ".join(f"{k}×{n}" for k, n in sorted(counts.items()))
 
 
 def _precision(manifest: dict[str, Any]) -> str:
@@ -134,6 +193,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
         ver = checked.get(rec.id)
         meta = m.get("meta", {})
+        n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
         rows.append(
             Row(
                 step=rec.step,
@@ -154,6 +214,9 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 verified_problem=None if ver is None else ver.get("problem"),
                 restore_target=rec.id == target_id,
                 manifest_problem=problems.get(rec.id),
+                world_size=world_size(rec),
+                sharded=n_sharded,
+                sharding=sharding,
             )
         )
     return Catalog(state.store_id, rows, state.problems, state.failures)
@@ -171,6 +234,8 @@ class EntryRow:
     bytes_raw: int
     bytes_stored: int  # encoded, on disk
     patched: int  # values stored exactly beside a reduced-precision tensor
+    global_shape: list[int] | None = None  # a DTensor's whole shape (``shape`` is rank 0's shard)
+    placements: list[str] | None = None  # a DTensor's placements: ["S0"] = Shard(0), ["R"]
 
 
 @dataclass
@@ -186,11 +251,55 @@ class ManifestDetail:
         return {
             "checkpoint": self.row.to_json(),
             "manifest": self.manifest_path,
+            "world_size": self.row.world_size,
+            "sharded": self.row.sharded,
+            "restorable_at_any_world_size": self.any_world_size,
             "meta": self.meta,
             "objects": self.objects,
             "entries": [asdict(e) for e in self.entries],
             "not_stored": self.not_stored,
         }
+
+    @property
+    def any_world_size(self) -> bool:
+        """Whether an elastic restore can carry it to another world size: every DTensor on a
+        1-D mesh, ``Shard(d)`` or ``Replicate`` (what ``engine/reshard.py`` reshards)."""
+        return all(
+            len(e.placements) == 1 and (e.placements[0] == "R" or _shard_dim(e.placements[0]) is not None)
+            for e in self.entries
+            if e.placements is not None
+        )
+
+    def sharding_line(self) -> str | None:
+        """``world size 2: 12 tensors sharded (Shard(0)), shapes below are rank 0's shard;
+        restorable at any world size``; None for a single-process checkpoint without DTensors."""
+        r = self.row
+        sharded = [e for e in self.entries if e.placements is not None and _is_sharded(e.placements)]
+        if r.world_size == 1 and not sharded:
+            return None
+        line = f"world size {r.world_size}: "
+        if sharded:
+            kinds = sorted({", ".join(_placement_name(p) for p in e.placements or []) for e in sharded})
+            line += f"{len(sharded)} tensors sharded ({'; '.join(kinds)}), shapes below are rank 0's shard"
+        else:
+            line += "no tensor sharded, every rank holds whole tensors (shapes below are rank 0's)"
+        line += (
+            "; restorable at any world size"
+            if self.any_world_size
+            else "; restorable at this world size only (a DTensor not on a 1-D mesh of Shard/Replicate)"
+        )
+        return line
+
+
+def _shard_dim(p: str) -> int | None:
+    return int(p[1:]) if p.startswith("S") and p[1:].isdigit() else None
+
+
+def _placement_name(p: str) -> str:
+    if p == "R":
+        return "Replicate"
+    dim = _shard_dim(p)
+    return p if dim is None else f"Shard({dim})"
 
 
 def describe(store: StoreDir, step: int) -> ManifestDetail:
@@ -206,6 +315,7 @@ def describe(store: StoreDir, step: int) -> ManifestDetail:
     state = store.journal.read()
     rec = next(r for r in state.records if r.id == row.id)
     manifest = read_manifest(store.storage, rec, state.store_id)
+    dts = dtensor_nodes(manifest)
     entries = []
     for key, e in manifest.get("entries", {}).items():
         chunks = list((e.get("data") or {}).get("chunks", []))
@@ -223,6 +333,8 @@ def describe(store: StoreDir, step: int) -> ManifestDetail:
                 bytes_raw=sum(int(c[2]) for c in chunks),
                 bytes_stored=sum(int(c[4]) for c in chunks),
                 patched=int(patch.get("n", 0)),
+                global_shape=dts[key][0] if key in dts else None,
+                placements=dts[key][1] if key in dts else None,
             )
         )
     objects = {name: str(o.get("kind")) for name, o in manifest.get("objects", {}).items()}

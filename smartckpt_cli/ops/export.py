@@ -12,6 +12,13 @@ written as:
   model, its own ``state_dict`` keys); the non-tensor state (hyperparameters, step counters) goes
   into the header metadata as JSON.
 
+A checkpoint written by several ranks is consolidated into one file: it is read as a restore on
+one process would read it (``engine.reshard.load_resharded`` with rank 0 of world size 1), so
+every sharded tensor (FSDP2 / DTensor ``Shard``) is whole, assembled from all the ranks' parts,
+and loads into an unsharded model; the rest (replicated weights, RNG, data position) is rank 0's.
+A layout that cannot be carried to one process (a 2-D mesh, optimizer state that differs between
+ranks without being sharded) is refused in one line (exit 2).
+
 Values ``torch.load(weights_only=True)`` refuses are converted: NumPy arrays become tensors,
 bytes stay bytes. Entries of tier L4 (never stored) are exported as ``None``. The output is
 written to a temporary name and renamed: an existing file is never overwritten unless asked.
@@ -30,8 +37,10 @@ from typing import Any
 
 import torch
 
+from smartckpt_cli.engine.reshard import load_resharded, part_count
 from smartckpt_cli.engine.restore import load_checkpoint
-from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, StateMismatchError, UsageError
+from smartckpt_cli.state.apply import Loaded
 from smartckpt_cli.state.dtypes import dtype_name
 from smartckpt_cli.state.tree import tensor_keys, unflatten
 from smartckpt_cli.store.checkpoints import candidates
@@ -54,6 +63,7 @@ class ExportResult:
     tensors: int
     bytes: int
     not_stored: list[str]
+    world_size: int = 1  # ranks that wrote the checkpoint (consolidated into one file when > 1)
 
 
 def build_state(
@@ -138,7 +148,7 @@ def export(
     for attempt in range(3):
         rec, store_id = _pick(store, step)
         try:
-            loaded = load_checkpoint(store.storage, store.blobs, rec, store_id)
+            loaded = _load(store, rec, store_id)
             break
         except CheckpointCorrupt:
             # A running job may prune the checkpoint while it is being read: that is not
@@ -154,6 +164,9 @@ def export(
     if weights_only and not state:
         raise UsageError(f"step {rec.step} holds no model (nn.Module) to export with --weights-only")
     meta = {"step": rec.step, "id": rec.id, "store_id": store_id, "utc": loaded.manifest["meta"].get("utc")}
+    world = part_count(rec)
+    if world > 1:
+        meta["world_size"] = world  # the ranks that wrote it; the file holds whole tensors
     single = weights_only and len(state) == 1
     payload: Any = next(iter(state.values())) if single else state
     if fmt == "torch":
@@ -171,7 +184,21 @@ def export(
         if tmp.exists():
             tmp.unlink()
     n_tensors = sum(1 for _ in _tensors_of(payload))
-    return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing)
+    return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing, world)
+
+
+def _load(store: StoreDir, rec: Any, store_id: str | None) -> Loaded:
+    """The checkpoint read and verified; one written by several ranks with every sharded tensor
+    assembled whole from all the parts (a restore on one process)."""
+    if part_count(rec) == 1:
+        return load_checkpoint(store.storage, store.blobs, rec, store_id)
+    try:
+        loaded, _report = load_resharded(store.storage, store.blobs, rec, store_id, 0, 1)
+    except StateMismatchError as err:
+        raise StateMismatchError(
+            f"step {rec.step} (written by {part_count(rec)} ranks) cannot be consolidated into one file: {err}"
+        ) from None
+    return loaded
 
 
 def _torch_bytes(obj: Any) -> bytes:
