@@ -7,7 +7,8 @@ persist on the save thread, retention), :mod:`.cadence` (how often that does any
 persist, restore), :mod:`.observers` (who hears of commits and where restores look: the remote
 tier plugs in there), :mod:`.snapshot` (the one copy the loop waits for), :mod:`.writer` (encode,
 write and commit off the training thread), :mod:`.restore` (the newest checkpoint that verifies,
-read into memory), :mod:`.prestep` (the state at the last step boundary, for a save before a
+read into memory), :mod:`.reshard` (a checkpoint of another world size read for this rank:
+its rows of every sharded tensor from the old shards that overlap them), :mod:`.prestep` (the state at the last step boundary, for a save before a
 suspicious update), :mod:`.preempt` (SIGTERM/SIGUSR1 make the next boundary save),
 :mod:`.distributed` and :mod:`.multirank` (the collectives of several ranks: agreement on one
 step, two-phase commit), :mod:`.heartbeat` (what this process tells ``smartckpt run``).
