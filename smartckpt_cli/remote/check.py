@@ -19,9 +19,10 @@ from typing import Any
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.remote.backend import Remote
 from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.parts import PARTS_DIR, marker_name
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store import codec
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, record_manifests
 from smartckpt_cli.store.retention import select_prunable
 
 __all__ = [
@@ -128,25 +129,54 @@ def verify_remote(
     return [_check_one(remote, r, workers) for r in chosen]
 
 
+def _manifests_of(rec: CheckpointRecord) -> list[str]:
+    """Every manifest of a checkpoint: its own, and each rank's part of a multi-rank one."""
+    return record_manifests(rec.event, rec.manifest)
+
+
 def remove_unreferenced(
-    remote: Remote, state: RemoteState, known_blobs: set[str], manifests: dict[str, dict[str, Any]]
+    remote: Remote,
+    state: RemoteState,
+    known_blobs: set[str],
+    manifests: dict[str, dict[str, Any]],
+    *,
+    keep_pending: bool = False,
 ) -> int:
-    """Remove manifests of pruned checkpoints and blobs no kept checkpoint references. Returns
-    the blobs removed. ``manifests`` caches parsed remote manifests (they never change)."""
-    kept = [r for r in state.records if not r.pruned]
-    referenced: set[str] = set()
-    for rec in kept:
-        if rec.manifest not in manifests:
+    """Remove manifests (every rank's part) and part markers of pruned checkpoints, and blobs no
+    kept checkpoint references on any rank. Returns the blobs removed. ``manifests`` caches parsed
+    remote manifests (they never change). ``keep_pending`` (several ranks): a part manifest no
+    commit names yet belongs to a step still waiting for another rank's part; its blobs are kept.
+    Callers hold remote.lock exclusively, so no rank is between its dedup decision and its
+    manifest."""
+
+    def blobs_of(rel: str) -> list[str]:
+        if rel not in manifests:
             try:
-                manifests[rec.manifest] = decode_manifest(remote.get(rec.manifest), rec.manifest)
-            except FileNotFoundError:
-                manifests[rec.manifest] = {}
-        referenced.update(manifest_blob_ids(manifests[rec.manifest]))
-    kept_manifests = {r.manifest for r in kept}
+                manifests[rel] = decode_manifest(remote.get(rel), rel)
+            except (FileNotFoundError, ValueError):
+                manifests[rel] = {}
+        return manifest_blob_ids(manifests[rel])
+
+    kept = [r for r in state.records if not r.pruned]
+    kept_manifests = {m for r in kept for m in _manifests_of(r)}
+    referenced: set[str] = set()
+    for rel in sorted(kept_manifests):
+        referenced.update(blobs_of(rel))
+    if keep_pending:
+        named = kept_manifests | {m for r in state.records for m in _manifests_of(r)}
+        for name in remote.list("manifests"):
+            rel = f"manifests/{name}"
+            if rel not in named and name.endswith(".json"):
+                referenced.update(blobs_of(rel))
     for rec in state.records:
-        if rec.pruned and rec.manifest not in kept_manifests:
-            remote.remove(rec.manifest)
-            manifests.pop(rec.manifest, None)
+        if not rec.pruned:
+            continue
+        for rank, rel in enumerate(_manifests_of(rec)):
+            if rel not in kept_manifests:
+                remote.remove(rel)
+                manifests.pop(rel, None)
+            if rec.event.get("parts"):
+                remote.remove(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rank)}")
     removed = 0
     for bid in sorted(known_blobs - referenced):
         remote.remove(f"blobs/{bid[:2]}/{bid}")
@@ -185,7 +215,8 @@ def prune_remote(
         {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why},
     )
     state = journal.read()
-    plan.blobs_removed = remove_unreferenced(remote, state, list_blobs(remote), {})
+    multi = bool(remote.list(PARTS_DIR))  # a multi-rank remote: keep the parts of pending steps
+    plan.blobs_removed = remove_unreferenced(remote, state, list_blobs(remote), {}, keep_pending=multi)
     if say is not None:
         say(f"remote: pruned {len(doomed)} checkpoint(s), {plan.blobs_removed} blob(s)")
     return plan

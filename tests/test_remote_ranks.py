@@ -1,0 +1,181 @@
+"""The remote tier under torchrun: 2 CPU ranks (gloo), node-local ``dir`` per rank, a shared
+``meta_dir``, moto's S3 server. Every rank uploads its own part and marks it; rank 0 writes the
+remote commit of a step only once every rank's part is marked. Real processes, real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from smartckpt_cli.remote.backend import open_remote
+from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
+from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.store.journal import CheckpointRecord
+from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
+from tests._state import assert_same_state
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TOTAL = 20
+NODE_LOCAL = ["--dir", "local", "--node-local", "--meta-dir", "shared", "--every", "5"]
+
+
+# ---------------------------------------------------------------- pure rules (fast)
+
+
+def _rec(step: int, cid: str, ranks: int) -> CheckpointRecord:
+    parts = [[f"manifests/{step:012d}-{cid}-r{r}.json", f"h{r}", f"d{r}"] for r in range(ranks)]
+    return CheckpointRecord(step, cid, parts[0][0], "h0", step, event={"parts": parts, "world_size": ranks})
+
+
+def test_a_step_needs_every_ranks_marker():
+    rec = _rec(10, "abc", 2)
+    assert missing_markers(rec, set()) == [0, 1]
+    assert missing_markers(rec, {marker_name(10, "abc", 0)}) == [1]
+    assert missing_markers(rec, {marker_name(10, "abc", 0), marker_name(10, "abc", 1)}) == []
+    assert marker_name(10, "abc", 1) != marker_name(10, "abc", 0)  # no two writers collide
+    assert status_name(0) == "remote-status.json" and status_name(1) == "remote-status-r1.json"
+
+
+# ---------------------------------------------------------------- end to end (slow)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = MotoServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, request):
+    bucket = "b-" + request.node.name.lower().replace("_", "-")[:50]
+    client(moto.port).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/job", bucket, s3_env(moto.port)
+
+
+@pytest.fixture(scope="module")
+def env_base() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    proc = subprocess.run(
+        [*TORCHRUN, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env_base) -> list[dict]:
+    """An uninterrupted 2-rank DDP run of the same script, no remote."""
+    d = tmp_path_factory.mktemp("reference")
+    rc, log = _torchrun(["--dir", "ck", "--every", "5", "--total", str(TOTAL), "--out", "ref"], d, env_base)
+    assert rc == 0, log
+    return [torch.load(d / f"ref.r{r}", weights_only=True) for r in (0, 1)]
+
+
+def _remote_env(
+    env_base: dict[str, str], s3: tuple[str, str, dict[str, str]], **extra: str
+) -> dict[str, str]:
+    url, _, aws = s3
+    return {**env_base, **aws, "SMARTCKPT_REMOTE": url, "SMARTCKPT_REMOTE_RETRIES": "2", **extra}
+
+
+def _remote_commits(url: str, env: dict[str, str]) -> list[CheckpointRecord]:
+    old = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    try:
+        return sorted(RemoteJournal(open_remote(url)).read().live(), key=lambda r: r.step)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _markers(port: int, bucket: str) -> set[str]:
+    return {k.rsplit("/", 1)[-1] for k in all_objects(port, bucket) if f"/{PARTS_DIR}/" in k}
+
+
+def _start(out: str) -> int:
+    found = re.findall(r"rank 0 start (\d+)", out)
+    assert found, out
+    return int(found[0])
+
+
+def _wipe(tmp_path: Path) -> None:
+    shutil.rmtree(tmp_path / "local")  # both node-local disks
+    shutil.rmtree(tmp_path / "shared")  # and the shared meta_dir
+
+
+@pytest.mark.slow
+def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 1: train, SIGKILL the group, delete both node-local dirs and the shared meta_dir,
+    restart: the job resumes from the newest remote step, final weights equal bit for bit."""
+    url, bucket, _aws = s3
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
+    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "1"], tmp_path, env)
+    assert rc != 0, out
+    commits = _remote_commits(url, env)
+    assert commits, out
+    for rec in commits:  # every remote commit names both parts, each marked and present
+        assert rec.event["world_size"] == 2 and len(rec.event["parts"]) == 2
+        assert not missing_markers(rec, _markers(moto.port, bucket))
+    newest = commits[-1].step
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env)
+    assert rc == 0, out2
+    assert _start(out2) == newest, out2
+    assert "from remote" in out2
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+    # per-rank status files, and no secret anywhere
+    for r in (0, 1):
+        st = json.loads((tmp_path / "shared" / status_name(r)).read_text())
+        assert st["rank"] == r and st["pending"] == 0
+    assert SECRET not in out + out2
+    assert all(SECRET.encode() not in v for v in all_objects(moto.port, bucket).values())
+
+
+@pytest.mark.slow
+def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 2: rank 1 is killed in its second part's upload (step 10), after rank 0's part:
+    no remote commit for step 10; a restore from the remote takes the previous one."""
+    url, bucket, _aws = s3
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.3", "--out", "run"]
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@2", "SMARTCKPT_FAULT_RANK": "1"}
+    rc, out = _torchrun(args, tmp_path, {**env, **faults})
+    assert rc != 0, out
+    steps = [r.step for r in _remote_commits(url, env)]
+    print("remote commits", steps)
+    assert 10 not in steps and all(s < 10 for s in steps), (steps, out)
+    markers = _markers(moto.port, bucket)
+    assert not any(m.startswith(f"{10:012d}-") and m.endswith("-r1.json") for m in markers)
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env)
+    assert rc == 0, out2
+    assert _start(out2) == (steps[-1] if steps else 0), out2
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
