@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,7 +170,6 @@ def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
     rc, out = _torchrun(args, tmp_path, {**env, **faults})
     assert rc != 0, out
     steps = [r.step for r in _remote_commits(url, env)]
-    print("remote commits", steps)
     assert 10 not in steps and all(s < 10 for s in steps), (steps, out)
     markers = _markers(moto.port, bucket)
     assert not any(m.startswith(f"{10:012d}-") and m.endswith("-r1.json") for m in markers)
@@ -179,3 +179,32 @@ def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
     assert _start(out2) == (steps[-1] if steps else 0), out2
     assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
     assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+
+
+@pytest.mark.slow
+def test_one_ranks_uploads_failing_never_stall_training_nor_commit_a_missing_part(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 3: rank 1's uploads always fail (its marker never goes up): both ranks train to
+    the end at full speed and bit-exact, close() waits at most remote_close_wait, and the remote
+    holds no commit (each would miss rank 1's part)."""
+    url, bucket, _aws = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="3")
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
+    faults["SMARTCKPT_FAULT_MODE"] = "raise"
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--out", "run"]
+    t0 = time.monotonic()
+    rc, out = _torchrun(args, tmp_path, {**env, **faults})
+    took = time.monotonic() - t0
+    assert rc == 0, out
+    assert "rank 0 done 20" in out and "rank 1 done 20" in out
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+    assert took < 90, took  # a stalled rank would wait out the gloo timeout (900 s)
+    assert _remote_commits(url, env) == []
+    markers = _markers(moto.port, bucket)
+    assert markers and not any(m.endswith("-r1.json") for m in markers)  # rank 0's parts went up
+    st1 = json.loads((tmp_path / "shared" / status_name(1)).read_text())
+    assert st1["pending"] >= 1 and "injected" in (st1["last_error"] or ""), st1
+    st0 = json.loads((tmp_path / "shared" / status_name(0)).read_text())
+    assert st0["pending"] >= 1, st0

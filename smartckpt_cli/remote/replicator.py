@@ -185,7 +185,11 @@ class Replicator:
         delay = 0.0
         while True:
             with self._cond:
-                if not self._stop:
+                if not self._stop and delay and self.world > 1:
+                    # Several ranks: a backoff (or the wait for another rank's part) is waited out
+                    # even when commits wake the uploader, so a failing rank never spins.
+                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                elif not self._stop:
                     self._cond.wait_for(
                         lambda: self._stop or self._wakes > self._done, timeout=delay or IDLE_POLL
                     )
@@ -194,6 +198,8 @@ class Replicator:
                 started = self._wakes
             try:
                 pending = self.run_round()
+                if self._stop and self.world > 1:
+                    return  # a round cut short by stop(): the status keeps the last error seen
             except RemoteMismatch as err:
                 self._disabled = str(err)
                 self.status.last_error = str(err)
