@@ -5,6 +5,7 @@ remote commit of a step only once every rank's part is marked. Real processes, r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -12,15 +13,21 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from smartckpt_cli.cli.inspect_cmd import _remote_line
+from smartckpt_cli.cli.run import _remote_cell
 from smartckpt_cli.remote.backend import open_remote
+from smartckpt_cli.remote.check import merge_status, prune_remote, read_status, remote_summary, verify_remote
+from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
 from smartckpt_cli.remote.rjournal import RemoteJournal
-from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
 from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
 from tests._state import assert_same_state
 
@@ -37,6 +44,22 @@ NODE_LOCAL = ["--dir", "local", "--node-local", "--meta-dir", "shared", "--every
 def _rec(step: int, cid: str, ranks: int) -> CheckpointRecord:
     parts = [[f"manifests/{step:012d}-{cid}-r{r}.json", f"h{r}", f"d{r}"] for r in range(ranks)]
     return CheckpointRecord(step, cid, parts[0][0], "h0", step, event={"parts": parts, "world_size": ranks})
+
+
+def test_status_of_several_ranks_names_the_slowest():
+    a = {"remote": "s3://b/p", "world": 2, "rank": 0, "pending": 1, "pending_steps": [10], "lag_seconds": 2.0}
+    b = {
+        "rank": 1,
+        "pending": 3,
+        "pending_steps": [10, 15, 20],
+        "lag_seconds": 9.5,
+        "last_error": "OSError: x",
+    }
+    merged = merge_status([a, b])
+    assert merged["slowest_rank"] == 1 and merged["lag_seconds"] == 9.5
+    assert merged["pending"] == 1 and merged["last_error"] == "rank 1: OSError: x"
+    assert "slowest rank 1" in _remote_line(merged)
+    assert merge_status([a, None])["slowest_rank"] == 1  # a rank that wrote nothing yet is behind
 
 
 def test_a_step_needs_every_ranks_marker():
@@ -97,17 +120,24 @@ def _remote_env(
     return {**env_base, **aws, "SMARTCKPT_REMOTE": url, "SMARTCKPT_REMOTE_RETRIES": "2", **extra}
 
 
-def _remote_commits(url: str, env: dict[str, str]) -> list[CheckpointRecord]:
+@contextlib.contextmanager
+def _aws(env: dict[str, str]) -> Iterator[None]:
+    """This process talks to the test's S3 server with the test's throwaway credentials."""
     old = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
     os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
     try:
-        return sorted(RemoteJournal(open_remote(url)).read().live(), key=lambda r: r.step)
+        yield
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _remote_commits(url: str, env: dict[str, str]) -> list[CheckpointRecord]:
+    with _aws(env):
+        return sorted(RemoteJournal(open_remote(url)).read().live(), key=lambda r: r.step)
 
 
 def _markers(port: int, bucket: str) -> set[str]:
@@ -131,7 +161,7 @@ def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
 ):
     """Must show 1: train, SIGKILL the group, delete both node-local dirs and the shared meta_dir,
     restart: the job resumes from the newest remote step, final weights equal bit for bit."""
-    url, bucket, _aws = s3
+    url, bucket, _ = s3
     env = _remote_env(env_base, s3)
     args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
     rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "1"], tmp_path, env)
@@ -149,10 +179,15 @@ def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
     assert "from remote" in out2
     assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
     assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
-    # per-rank status files, and no secret anywhere
+    # per-rank status files; `smartckpt run`'s status line names the slowest rank
     for r in (0, 1):
         st = json.loads((tmp_path / "shared" / status_name(r)).read_text())
         assert st["rank"] == r and st["pending"] == 0
+    merged = read_status(tmp_path / "shared")
+    assert merged is not None and [x["rank"] for x in merged["ranks"]] == [0, 1]
+    assert "slowest rank" in (_remote_cell(tmp_path / "shared") or "")
+    _verify_and_prune_every_part(url, env)
+    # no secret anywhere
     assert SECRET not in out + out2
     assert all(SECRET.encode() not in v for v in all_objects(moto.port, bucket).values())
 
@@ -163,7 +198,7 @@ def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
 ):
     """Must show 2: rank 1 is killed in its second part's upload (step 10), after rank 0's part:
     no remote commit for step 10; a restore from the remote takes the previous one."""
-    url, bucket, _aws = s3
+    url, bucket, _ = s3
     env = _remote_env(env_base, s3)
     args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.3", "--out", "run"]
     faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@2", "SMARTCKPT_FAULT_RANK": "1"}
@@ -188,7 +223,7 @@ def test_one_ranks_uploads_failing_never_stall_training_nor_commit_a_missing_par
     """Must show 3: rank 1's uploads always fail (its marker never goes up): both ranks train to
     the end at full speed and bit-exact, close() waits at most remote_close_wait, and the remote
     holds no commit (each would miss rank 1's part)."""
-    url, bucket, _aws = s3
+    url, bucket, _ = s3
     env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="3")
     faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
     faults["SMARTCKPT_FAULT_MODE"] = "raise"
@@ -208,3 +243,37 @@ def test_one_ranks_uploads_failing_never_stall_training_nor_commit_a_missing_par
     assert st1["pending"] >= 1 and "injected" in (st1["last_error"] or ""), st1
     st0 = json.loads((tmp_path / "shared" / status_name(0)).read_text())
     assert st0["pending"] >= 1, st0
+    # `inspect --remote` asks the remote: rank 1 is the one behind
+    store = open_store(tmp_path / "local" / "node0", tmp_path / "shared", create=False)
+    state = store.journal.read()
+    with _aws(env):
+        view = remote_summary(state.records, state.store_id, url)
+    assert view["ranks"][0]["pending"] == 0 and view["ranks"][1]["pending"] >= 1, view
+    assert "per rank: rank 0 0 behind, rank 1" in _remote_line(view)
+    merged = read_status(tmp_path / "shared")
+    assert merged is not None and merged["slowest_rank"] == 1 and "rank 1" in (merged["last_error"] or "")
+
+
+def _verify_and_prune_every_part(url: str, env: dict[str, str]) -> None:
+    """verify --remote --all checks every rank's part; prune --remote keeps every blob a kept
+    step's part on any rank references."""
+    with _aws(env):
+        remote = open_remote(url)
+        journal = RemoteJournal(remote)
+        checks = verify_remote(remote, journal.read(), all_checkpoints=True)
+        assert len(checks) >= 2 and all(c.ok for c in checks), checks
+        plan = prune_remote(remote, journal, 1)
+        assert len(plan.keep) == 1 and plan.remove
+        state = journal.read()
+        checks = verify_remote(remote, state, all_checkpoints=True)
+        assert len(checks) == 1 and checks[0].ok, checks
+        kept = state.live()[0]
+        parts = kept.event["parts"]
+        ids = [set(manifest_blob_ids(decode_manifest(remote.get(p[0]), p[0]))) for p in parts]
+        only_rank1 = sorted(ids[1] - ids[0])
+        assert only_rank1  # rank 1's own state (its RNG) is in its part only
+        for rel in [p[0] for rec in plan.remove for p in rec.event["parts"]]:
+            assert not remote.exists(rel)  # every part manifest of a pruned step is gone
+        remote.remove(f"blobs/{only_rank1[0][:2]}/{only_rank1[0]}")
+        bad = verify_remote(remote, journal.read(), all_checkpoints=True)
+        assert not bad[0].ok and only_rank1[0] in (bad[0].problem or "")

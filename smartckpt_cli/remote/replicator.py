@@ -498,6 +498,7 @@ class Replicator:
     def _write_status_locked(self) -> None:
         st = self.status
         oldest: float | None = None
+        part_steps: list[int] = []
         try:  # the lag against the remote as last seen: current even while the remote is down
             records = self.store.journal.read().records
             newest = abandoned_before(records, self._remote_live) if self.world > 1 else -1
@@ -512,14 +513,19 @@ class Replicator:
             now = time.time()
             seen = {r.id: self._first_seen.get(r.id, now) for r in lag}
             self._first_seen = seen  # when each pending checkpoint was first seen (wake: its commit)
-            oldest = min(seen.values(), default=None)
+            own = [r for r in lag if r.id not in self._marked]  # this rank's part not up yet
+            part_steps = [r.step for r in own]
+            oldest = min((seen[r.id] for r in own), default=None)
         except Exception as err:  # the status file is a view; never let it stop the uploader
             logger.debug("upload lag unknown: %s", err)
         body = {
             "remote": display_url(self.remote.url),
             "rank": self.rank,
             "world": self.world,
-            # seconds since the oldest checkpoint this rank has not got off the node was committed
+            # this rank's own part: checkpoints whose part is not on the remote yet, and the
+            # seconds since the oldest of them was committed (its upload lag)
+            "part_pending": len(part_steps),
+            "part_pending_steps": part_steps,
             "lag_seconds": round(max(0.0, time.time() - oldest), 3) if oldest is not None else 0.0,
             "pending": st.pending,
             "pending_steps": st.pending_steps,
