@@ -96,6 +96,7 @@ class _Status:
     blobs_sent: int = 0
     blobs_deduped: int = 0
     checkpoints_sent: int = 0
+    parts_sent: int = 0  # several ranks: this rank's parts marked complete on the remote
     last_upload_seconds: float | None = None
 
 
@@ -308,6 +309,7 @@ class Replicator:
                         )
                     continue
                 markers.add(mine)
+                self.status.parts_sent += 1
             self._marked.add(rec.id)
             if self.rank != 0:
                 continue
@@ -432,11 +434,19 @@ class Replicator:
         known = self._known_blobs
         todo = [b for b in manifest_blob_ids(manifest) if b not in known]
         self.status.blobs_deduped += len(manifest_blob_ids(manifest)) - len(todo)
+        if self.world > 1 and todo:
+            # Ranks holding the same replicated blobs start at different places in the list, so
+            # the existence check before each upload finds most of another rank's work done.
+            cut = len(todo) * self.rank // self.world
+            todo = todo[cut:] + todo[:cut]
         with ThreadPoolExecutor(
             max_workers=max(1, self.s.remote_workers), thread_name_prefix="smartckpt-upload"
         ) as pool:
             for bid, n in zip(todo, pool.map(self._upload_blob, todo), strict=True):
                 known.add(bid)
+                if n < 0:  # already remote (another rank sent it)
+                    self.status.blobs_deduped += 1
+                    continue
                 self.status.blobs_sent += 1
                 self.status.bytes_sent += n
         self._retry(
@@ -459,8 +469,7 @@ class Replicator:
         if codec.blob_id(data) != bid:  # re-hash: never ship what the local disk damaged
             raise _LocalCorrupt(f"blob {bid} hash mismatch")
         if self.world > 1 and self._retry("blob check", lambda: self.remote.exists(rel)):
-            self.status.blobs_deduped += 1  # another rank sent this content already
-            return 0
+            return -1  # another rank sent this content already
         self._retry(
             "blob upload", lambda: self.remote.put(rel, data, part_bytes=self._part(), limiter=self.limiter)
         )
@@ -536,6 +545,7 @@ class Replicator:
             "blobs_sent": st.blobs_sent,
             "blobs_deduped": st.blobs_deduped,
             "checkpoints_sent": st.checkpoints_sent,
+            "parts_sent": st.parts_sent,
             "last_upload_seconds": st.last_upload_seconds,
             "disabled": self._disabled,
             "pid": os.getpid(),
