@@ -97,10 +97,9 @@ def env_base() -> dict[str, str]:
     return env
 
 
-def _torchrun(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
-    proc = subprocess.run(
-        [*TORCHRUN, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+def _torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2) -> tuple[int, str]:
+    cmd = [*TORCHRUN[:-1], str(nproc), str(SCRIPT), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -277,3 +276,30 @@ def _verify_and_prune_every_part(url: str, env: dict[str, str]) -> None:
         remote.remove(f"blobs/{only_rank1[0][:2]}/{only_rank1[0]}")
         bad = verify_remote(remote, journal.read(), all_checkpoints=True)
         assert not bad[0].ok and only_rank1[0] in (bad[0].problem or "")
+
+
+@pytest.mark.slow
+def test_a_node_that_lost_its_part_downloads_only_its_own_and_another_world_size_resumes(
+    tmp_path, s3, moto, env_base
+):
+    """One node's disk lost while the other keeps its part: only that rank downloads, only its own
+    part. Then every disk and meta_dir lost, and the job comes back at 1 rank (elastic resume):
+    it restores the newest remote step from the 2-rank parts."""
+    url, _, _ = s3
+    env = _remote_env(env_base, s3)
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "10"], tmp_path, env)
+    assert rc == 0, out
+    assert [r.step for r in _remote_commits(url, env)] == [5, 10]  # close() waited for the uploads
+    shutil.rmtree(tmp_path / "local" / "node1")
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "12"], tmp_path, env)
+    assert rc == 0, out
+    assert "rank 0 start 10" in out and "rank 1 start 10" in out, out
+    fetched = [line for line in out.splitlines() if "from remote" in line and "downloaded" in line]
+    assert len(fetched) == 1 and "0 blob(s) were sound locally" in fetched[0], out
+    own = {p.name for p in (tmp_path / "local" / "node1" / "manifests").iterdir()}
+    assert own and all(n.endswith("-r1.json") for n in own), own  # rank 1's part, nothing else
+    _wipe(tmp_path)
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "14"], tmp_path, env, nproc=1)
+    assert rc == 0, out
+    assert "rank 0 start 10" in out and "rank 1" not in out, out  # the newest remote step, at 1 rank
+    assert "written by 2 rank(s), restored on 1" in out, out
