@@ -303,3 +303,36 @@ def test_a_node_that_lost_its_part_downloads_only_its_own_and_another_world_size
     assert rc == 0, out
     assert "rank 0 start 10" in out and "rank 1" not in out, out  # the newest remote step, at 1 rank
     assert "written by 2 rank(s), restored on 1" in out, out
+
+
+@pytest.mark.slow
+def test_preemption_of_one_rank_gets_every_part_up_before_exit(tmp_path, s3, env_base):
+    """SIGTERM reaches rank 1 only: both ranks take the preemption save, each waits (up to
+    remote_close_wait) for its part, rank 0 for the commit; the remote holds that step. With
+    rank 1's uploads failing, every rank gives up after remote_close_wait and the remote holds
+    no commit for the step."""
+    url, _, _ = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="4")
+    args = [*NODE_LOCAL[:-1], "1000", "--total", "60", "--step-time", "0.02"]
+    rc, out = _torchrun([*args, "--signal-at", "15", "--signal-rank", "1"], tmp_path, env)
+    assert rc != 0, out
+    journal = [json.loads(line) for line in (tmp_path / "shared" / "journal.jsonl").read_text().splitlines()]
+    saved = [e["step"] for e in journal if e["event"] == "commit"]
+    assert len(saved) == 1, journal
+    assert [r.step for r in _remote_commits(url, env)] == saved  # up before the processes exited
+
+    shutil.rmtree(tmp_path / "local")
+    shutil.rmtree(tmp_path / "shared")
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
+    faults["SMARTCKPT_FAULT_MODE"] = "raise"
+    t0 = time.monotonic()
+    rc, out = _torchrun([*args, "--signal-at", "30", "--signal-rank", "1"], tmp_path, {**env, **faults})
+    assert rc != 0, out
+    assert time.monotonic() - t0 < 60, out
+    assert "rank 0 start " + str(saved[0]) in out, out
+    journal = [json.loads(line) for line in (tmp_path / "shared" / "journal.jsonl").read_text().splitlines()]
+    second = [
+        e["step"] for e in journal if e["event"] == "commit" and e.get("reason", "").startswith("preemption")
+    ]
+    assert second and second[-1] > saved[0], journal
+    assert [r.step for r in _remote_commits(url, env)] == saved  # the new step lacks rank 1's part
