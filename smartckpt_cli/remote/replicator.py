@@ -10,13 +10,19 @@ One round (:meth:`Replicator.run_round`), started by a commit (``wake``) or by a
    and the manifest are there; it is the remote commit point;
 3. remote retention (``remote_keep_last``).
 
+With several ranks (``world > 1``, :mod:`.parts`) every rank runs one, for its own part: a round
+(:meth:`Replicator._round_parts`) uploads the part's blobs and part manifest, then writes its
+marker; rank 0's round also writes the ``commit`` object of each step whose every part is marked,
+and then, holding ``remote.lock`` exclusively (the ranks' rounds hold it shared), retention.
+
 Every remote call is retried with backoff; a round that still fails is retried later with a
 growing delay, so a remote that is down or slow delays replication, never training. The thread
 runs at the background priority and never holds a lock the training loop waits for.
 
-It stays one module of about 400 lines: the round's upload order, the retries around each call
-and the status it reports are one piece of state around one commit point, and read best in one
-place (the pure part, :func:`plan_round`, is 20 lines and already separate).
+It stays one module (about 570 lines with the multi-rank round): the round's upload order, the
+retries around each call and the status it reports are one piece of state around one commit
+point, and read best in one place (the pure parts, :func:`plan_round` and :mod:`.parts`, are
+separate).
 """
 
 from __future__ import annotations
