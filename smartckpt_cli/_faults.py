@@ -11,7 +11,9 @@ journal.fsynced, prune.in_progress.
 Two more variables for multi-rank tests: ``SMARTCKPT_FAULT_RANK=<r>`` arms the fault on that rank
 (``RANK``) only, and ``SMARTCKPT_FAULT_MODE=raise`` makes :func:`fault_fail` points raise an
 ``OSError`` (a failed write: full disk, I/O error) instead of killing the process. A rank's part
-of a multi-rank save passes ``rank.write`` before writing anything.
+of a multi-rank save passes ``rank.write`` before writing anything; a rank's remote uploader
+passes ``remote.part`` after its part's blobs and manifest, before its marker. ``<point>@*``
+fires at every pass (with ``raise``: a rank whose uploads always fail).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _target() -> tuple[str, int] | None:
     if rank is not None and os.environ.get("RANK", "0") != rank:
         return None
     name, _, count = spec.partition("@")
-    return name, int(count or 1)
+    return name, 0 if count == "*" else int(count or 1)  # "@*": every pass
 
 
 def fault_active(name: str) -> bool:
@@ -46,7 +48,7 @@ def fault_active(name: str) -> bool:
         return False
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
-        return _hits[name] == target[1]
+        return target[1] == 0 or _hits[name] == target[1]
 
 
 def crash() -> None:

@@ -123,6 +123,17 @@ def _remote_line(v: dict[str, object]) -> str:
     line += f" (steps {', '.join(map(str, pending))})" if pending else ""  # type: ignore[call-overload]
     steps = v.get("live_steps", v.get("remote_steps")) or []
     line += f"; remote holds steps {', '.join(map(str, steps))}" if steps else "; remote holds none"  # type: ignore[call-overload]
+    ranks = v.get("ranks")
+    if isinstance(ranks, list) and ranks:
+        cells = [
+            f"rank {x.get('rank')} {x.get('pending') if x.get('pending') is not None else '?'} behind"
+            + (f" ({float(x['lag_seconds']):.0f}s)" if x.get("lag_seconds") else "")
+            for x in ranks
+            if isinstance(x, dict)
+        ]
+        line += "; per rank: " + ", ".join(cells)
+        if "slowest_rank" in v:
+            line += f"; slowest rank {v['slowest_rank']}"
     if v.get("same_store") is False:
         line += "; WARNING: the remote holds another store's checkpoints"
     if v.get("last_error"):

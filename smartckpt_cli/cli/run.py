@@ -37,6 +37,13 @@ def _remote_cell(meta_root: Path | None) -> str | None:
     if v is None:
         return "no upload yet"
     text = f"{v.get('pending', 0)} checkpoint(s) not yet remote"
+    if v.get("ranks"):  # several ranks: the slowest rank's lag
+        slow = next((x for x in v["ranks"] if x.get("rank") == v.get("slowest_rank")), None) or {}
+        text += (
+            f", slowest rank {v.get('slowest_rank')} "
+            f"({slow.get('pending') if slow.get('pending') is not None else '?'} behind, "
+            f"lag {float(v.get('lag_seconds') or 0):.0f}s)"
+        )
     if v.get("last_error"):
         text += f" (retrying: {str(v['last_error'])[:80]})"
     return text

@@ -331,18 +331,12 @@ def _resharded(
     return loaded
 
 
-def make_coordinator(setting: str, root: Path, *, remote: bool = False) -> Coordinator:
+def make_coordinator(setting: str, root: Path) -> Coordinator:
     """The coordinator of this process: :class:`Ranks` in a multi-rank ``torch.distributed``
     world (``setting``: the ``distributed`` setting, ``auto`` or ``off``), else
-    :class:`SingleProcess`. ``remote``: a remote tier is configured (one process only yet)."""
+    :class:`SingleProcess`. A remote tier works with either (remote/parts.py: each rank uploads
+    its own part, rank 0 commits the step once every part is remote)."""
     comm = distributed.detect(setting)
     if comm is None:
         return SingleProcess()
-    coord = Ranks(comm, distributed.dir_id(root))
-    if remote:
-        # Every rank has the same settings, so every rank refuses the same way.
-        raise SmartckptError(
-            "remote= with several ranks is not supported yet: each rank's part would need its "
-            "own uploader; leave remote unset under torchrun"
-        )
-    return coord
+    return Ranks(comm, distributed.dir_id(root))

@@ -128,7 +128,7 @@ class CheckpointManager(StepPath, SavePath):
         # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
         # lock and the journal, the others follow it. Restores look in the local store, or in
         # the remote tier too, which also hears of every commit (observers.py).
-        self._coord = make_coordinator(s.distributed, self.store.root, remote=bool(s.remote))
+        self._coord = make_coordinator(s.distributed, self.store.root)
         self._source: CheckpointSource = LocalSource()
         self._observers: list[CommitObserver] = []
         self._pruned_seen = 0
@@ -136,7 +136,7 @@ class CheckpointManager(StepPath, SavePath):
         def open_as_writer() -> str:
             self._lock.acquire()
             try:
-                self._source, self._observers = open_tiers(s, self.store)
+                self._source, self._observers = open_tiers(s, self.store, 0, self._coord.world)
                 return self.store.ensure_journal(self._source.adopted_store_id)
             except BaseException:
                 # An unreadable journal must not leave this process holding the writer lock: a
@@ -145,6 +145,8 @@ class CheckpointManager(StepPath, SavePath):
                 raise
 
         self.store_id = self._coord.open(open_as_writer, self)
+        if not self._coord.leads:  # several ranks: every rank ships and fetches its own part
+            self._source, self._observers = open_tiers(s, self.store, self._coord.rank, self._coord.world)
         self.policy: Policy = policy or make_policy(s)
         # Whether the policy may save before the optimizer update: only then is a boundary
         # captured and, on CUDA, the pre-hook's reading waited for (a host sync).

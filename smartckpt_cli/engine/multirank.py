@@ -186,7 +186,8 @@ def load_part(
     if rank >= len(parts):
         raise CheckpointCorrupt(f"step {record.step}: no part for rank {rank}", tier="L1")
     rel, mhash, part_dir = parts[rank]
-    if part_dir != dir_id:
+    if part_dir != dir_id and not storage.exists(rel):
+        # Written to another disk and not here: a part fetched from the remote tier is here.
         raise CheckpointCorrupt(
             f"step {record.step}: the part of rank {rank} was written to another disk "
             f"(dir id {part_dir}; this rank's dir is {dir_id})",

@@ -74,13 +74,16 @@ class LocalSource:
         return loader(cand.record)
 
 
-def open_tiers(settings: Settings, store: StoreDir) -> tuple[CheckpointSource, list[CommitObserver]]:
+def open_tiers(
+    settings: Settings, store: StoreDir, rank: int = 0, world: int = 1
+) -> tuple[CheckpointSource, list[CommitObserver]]:
     """Where restores look and who hears of commits: the local store alone, or with
-    ``settings.remote`` the remote tier, both. Called by the writing process only (it may read
-    the remote's journal)."""
+    ``settings.remote`` the remote tier, both. Called by the writing process (rank 0, before the
+    journal exists: it may adopt the remote's store id), and with several ranks by every other
+    rank after it: each rank uploads and fetches its own part (remote/parts.py)."""
     if not settings.remote:
         return LocalSource(), []
     from smartckpt_cli.remote.tier import RemoteTier
 
-    tier = RemoteTier.open(settings, store)
+    tier = RemoteTier.open(settings, store, rank, world)
     return tier, [tier]

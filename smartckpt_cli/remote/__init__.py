@@ -6,8 +6,10 @@ Layout under the remote URL (every object is written once and never modified)::
     blobs/ab/ab12...cd                     the same content-addressed blobs as the local store
     manifests/<step>-<id>.json             the same manifests
     journal/<seq>-<event>-<tag>.json       one object per journal event (init, commit, prune)
+    parts/<step>-<id>-r<rank>.json         several ranks: rank <rank>'s part of a step is remote
 
-Modules: ``backend`` (where bytes go), ``rjournal`` (the remote commit point), ``replicator``
+Modules: ``backend`` (where bytes go), ``rjournal`` (the remote commit point), ``parts`` (the
+rule for a step written by several ranks), ``replicator``
 (the background uploader), ``fetch`` (restore's downloads), ``check`` (inspect, verify, prune on
 the remote side) and ``tier`` (the glue the manager calls).
 """

@@ -19,9 +19,10 @@ from typing import Any
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.remote.backend import Remote
 from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store import codec
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, record_manifests
 from smartckpt_cli.store.retention import select_prunable
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RemoteUnavailable",
     "connect",
     "list_blobs",
+    "merge_status",
     "prune_remote",
     "read_status",
     "remote_summary",
@@ -56,12 +58,53 @@ def upload_lag(local: Iterable[CheckpointRecord], remote_live_ids: set[str]) -> 
     return sorted((r for r in local if r.live and r.id not in remote_live_ids), key=lambda r: r.position)
 
 
-def read_status(meta_root: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((meta_root / STATUS_FILE).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_status(meta_root: Path) -> dict[str, Any] | None:
+    """The uploader's status. With several ranks (each writes its own file, parts.status_name)
+    rank 0's, plus ``ranks`` (each rank's lag) and the slowest rank's lag (:func:`merge_status`)."""
+    head = _read_json(meta_root / STATUS_FILE)
+    if head is None or int(head.get("world", 1)) <= 1:
+        return head
+    ranks = [head] + [_read_json(meta_root / status_name(r)) for r in range(1, int(head["world"]))]
+    return merge_status(ranks)
+
+
+def merge_status(ranks: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Pure: one view of every rank's status (index = rank; None: that rank wrote none yet).
+    ``pending`` stays rank 0's (steps the remote has not committed); per rank, ``pending`` is the
+    checkpoints whose part of that rank is not up yet; ``slowest_rank`` is the rank furthest
+    behind (most such checkpoints, then the oldest), ``lag_seconds`` its lag."""
+    head = dict(ranks[0] or {})
+    rows = []
+    for r, st in enumerate(ranks):
+        st = st or {}
+        rows.append(
+            {
+                "rank": r,
+                "pending": int(st.get("part_pending", st.get("pending", 0))) if st else None,
+                "pending_steps": list(st.get("part_pending_steps", st.get("pending_steps")) or []),
+                "lag_seconds": float(st.get("lag_seconds") or 0.0),
+                "bytes_sent": int(st.get("bytes_sent") or 0),
+                "last_error": st.get("last_error"),
+            }
+        )
+    slowest = max(
+        rows, key=lambda x: ((x["pending"] if x["pending"] is not None else 1 << 30), x["lag_seconds"])
+    )
+    head["ranks"] = rows
+    head["slowest_rank"] = slowest["rank"]
+    head["lag_seconds"] = slowest["lag_seconds"]
+    if not head.get("last_error"):
+        errors = [f"rank {x['rank']}: {x['last_error']}" for x in rows if x["last_error"]]
+        head["last_error"] = errors[0] if errors else None
+    return head
 
 
 @dataclass
@@ -75,20 +118,29 @@ class RemoteCheck:
 
 
 def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteCheck:
+    """Every manifest of ``rec`` (each rank's part of a multi-rank checkpoint) and every blob they
+    name: present, and re-hashing to its name."""
     out = RemoteCheck(rec.step, rec.id, ok=False)
-    try:
-        data = remote.get(rec.manifest)
-    except FileNotFoundError:
-        out.problem = f"manifest {rec.manifest} is missing"
-        return out
-    if codec.blob_id(data) != rec.manifest_hash:
-        out.problem = f"manifest {rec.manifest} does not match its commit"
-        return out
-    try:
-        manifest = decode_manifest(data, rec.manifest)
-    except ValueError as err:
-        out.problem = str(err)
-        return out
+    parts = rec.event.get("parts") or [[rec.manifest, rec.manifest_hash]]
+    multi = len(parts) > 1
+    ids: dict[str, None] = {}
+    for rank, part in enumerate(parts):
+        rel, mhash = str(part[0]), str(part[1])
+        who = f"rank {rank}'s " if multi else ""
+        try:
+            data = remote.get(rel)
+        except FileNotFoundError:
+            out.problem = f"{who}manifest {rel} is missing"
+            return out
+        if codec.blob_id(data) != mhash:
+            out.problem = f"{who}manifest {rel} does not match its commit"
+            return out
+        try:
+            manifest = decode_manifest(data, rel)
+        except ValueError as err:
+            out.problem = str(err)
+            return out
+        ids.update(dict.fromkeys(manifest_blob_ids(manifest)))
 
     def one(bid: str) -> tuple[str | None, int]:
         try:
@@ -97,9 +149,8 @@ def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteChe
             return f"missing blob {bid}", 0
         return (None if codec.blob_id(blob) == bid else f"hash mismatch in blob {bid}"), len(blob)
 
-    ids = manifest_blob_ids(manifest)
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="smartckpt-rverify") as pool:
-        results = list(pool.map(one, ids))
+        results = list(pool.map(one, list(ids)))
     problems = [p for p, _ in results if p]
     out.blobs, out.bytes = len(ids), sum(n for _, n in results)
     out.ok = not problems
@@ -128,25 +179,54 @@ def verify_remote(
     return [_check_one(remote, r, workers) for r in chosen]
 
 
+def _manifests_of(rec: CheckpointRecord) -> list[str]:
+    """Every manifest of a checkpoint: its own, and each rank's part of a multi-rank one."""
+    return record_manifests(rec.event, rec.manifest)
+
+
 def remove_unreferenced(
-    remote: Remote, state: RemoteState, known_blobs: set[str], manifests: dict[str, dict[str, Any]]
+    remote: Remote,
+    state: RemoteState,
+    known_blobs: set[str],
+    manifests: dict[str, dict[str, Any]],
+    *,
+    keep_pending: bool = False,
 ) -> int:
-    """Remove manifests of pruned checkpoints and blobs no kept checkpoint references. Returns
-    the blobs removed. ``manifests`` caches parsed remote manifests (they never change)."""
-    kept = [r for r in state.records if not r.pruned]
-    referenced: set[str] = set()
-    for rec in kept:
-        if rec.manifest not in manifests:
+    """Remove manifests (every rank's part) and part markers of pruned checkpoints, and blobs no
+    kept checkpoint references on any rank. Returns the blobs removed. ``manifests`` caches parsed
+    remote manifests (they never change). ``keep_pending`` (several ranks): a part manifest no
+    commit names yet belongs to a step still waiting for another rank's part; its blobs are kept.
+    Callers hold remote.lock exclusively, so no rank is between its dedup decision and its
+    manifest."""
+
+    def blobs_of(rel: str) -> list[str]:
+        if rel not in manifests:
             try:
-                manifests[rec.manifest] = decode_manifest(remote.get(rec.manifest), rec.manifest)
-            except FileNotFoundError:
-                manifests[rec.manifest] = {}
-        referenced.update(manifest_blob_ids(manifests[rec.manifest]))
-    kept_manifests = {r.manifest for r in kept}
+                manifests[rel] = decode_manifest(remote.get(rel), rel)
+            except (FileNotFoundError, ValueError):
+                manifests[rel] = {}
+        return manifest_blob_ids(manifests[rel])
+
+    kept = [r for r in state.records if not r.pruned]
+    kept_manifests = {m for r in kept for m in _manifests_of(r)}
+    referenced: set[str] = set()
+    for rel in sorted(kept_manifests):
+        referenced.update(blobs_of(rel))
+    if keep_pending:
+        named = kept_manifests | {m for r in state.records for m in _manifests_of(r)}
+        for name in remote.list("manifests"):
+            rel = f"manifests/{name}"
+            if rel not in named and name.endswith(".json"):
+                referenced.update(blobs_of(rel))
     for rec in state.records:
-        if rec.pruned and rec.manifest not in kept_manifests:
-            remote.remove(rec.manifest)
-            manifests.pop(rec.manifest, None)
+        if not rec.pruned:
+            continue
+        for rank, rel in enumerate(_manifests_of(rec)):
+            if rel not in kept_manifests:
+                remote.remove(rel)
+                manifests.pop(rel, None)
+            if rec.event.get("parts"):
+                remote.remove(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rank)}")
     removed = 0
     for bid in sorted(known_blobs - referenced):
         remote.remove(f"blobs/{bid[:2]}/{bid}")
@@ -185,7 +265,8 @@ def prune_remote(
         {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why},
     )
     state = journal.read()
-    plan.blobs_removed = remove_unreferenced(remote, state, list_blobs(remote), {})
+    multi = bool(remote.list(PARTS_DIR))  # a multi-rank remote: keep the parts of pending steps
+    plan.blobs_removed = remove_unreferenced(remote, state, list_blobs(remote), {}, keep_pending=multi)
     if say is not None:
         say(f"remote: pruned {len(doomed)} checkpoint(s), {plan.blobs_removed} blob(s)")
     return plan
@@ -216,9 +297,12 @@ def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None
     """What ``inspect --remote`` shows: the remote's live checkpoints and the upload lag."""
     from smartckpt_cli.remote.backend import display_url
 
-    _, _, state = connect(url)
+    remote, _, state = connect(url)
+    local = list(local)
     lag = upload_lag(local, state.live_ids())
+    ranks = _rank_lag(remote, lag)
     return {
+        **({"ranks": ranks} if ranks else {}),
         "remote": display_url(url),
         "store_id": state.store_id,
         "same_store": state.store_id in (None, local_store_id),
@@ -227,3 +311,18 @@ def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None
         "pending_steps": [r.step for r in lag],
         "journal_problems": state.problems,
     }
+
+
+def _rank_lag(remote: Remote, lag: list[CheckpointRecord]) -> list[dict[str, Any]]:
+    """Per rank, the pending multi-rank checkpoints whose part that rank has not marked on the
+    remote yet (its upload lag as the remote sees it); empty for one process."""
+    world = max((len(r.event.get("parts") or []) for r in lag), default=0)
+    if world <= 1:
+        return []
+    markers = set(remote.list(PARTS_DIR))
+    steps: list[list[int]] = [[] for _ in range(world)]
+    for rec in lag:
+        for r in missing_markers(rec, markers):
+            if r < world:
+                steps[r].append(rec.step)
+    return [{"rank": r, "pending": len(s), "pending_steps": s} for r, s in enumerate(steps)]

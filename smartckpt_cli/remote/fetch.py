@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from smartckpt_cli.errors import CheckpointCorrupt
@@ -22,7 +22,7 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
 from smartckpt_cli.store.storage.base import Storage
 
-__all__ = ["Candidate", "Fetched", "fetch_checkpoint", "manifest_blob_ids", "restore_order"]
+__all__ = ["Candidate", "Fetched", "fetch_checkpoint", "fetch_part", "manifest_blob_ids", "restore_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,17 @@ class Fetched:
 
 
 def fetch_checkpoint(
-    remote: Remote, storage: Storage, blobs: BlobStore, record: CheckpointRecord, *, workers: int = 4
+    remote: Remote,
+    storage: Storage,
+    blobs: BlobStore,
+    record: CheckpointRecord,
+    *,
+    workers: int = 4,
+    only: set[str] | None = None,
 ) -> Fetched:
     """Make the local copy of ``record`` whole: download its manifest and every blob that is
-    missing or fails its hash locally, and nothing else. Raises CheckpointCorrupt when the
-    remote copy is incomplete or damaged too."""
+    missing or fails its hash locally, and nothing else (``only``: the blobs of these entry keys).
+    Raises CheckpointCorrupt when the remote copy is incomplete or damaged too."""
     done = Fetched()
     try:
         data = storage.read(record.manifest)
@@ -93,6 +99,8 @@ def fetch_checkpoint(
         manifest = decode_manifest(data, record.manifest)
     except ValueError as err:
         raise CheckpointCorrupt(f"step {record.step}: {err}", tier="L1") from err
+    if only is not None:
+        manifest = {"entries": {k: v for k, v in manifest.get("entries", {}).items() if k in only}}
 
     def one(bid: str) -> int:
         if blobs.verify(bid) is None:
@@ -114,3 +122,47 @@ def fetch_checkpoint(
                 done.blobs += 1
                 done.bytes += n
     return done
+
+
+def fetch_part(
+    remote: Remote,
+    storage: Storage,
+    blobs: BlobStore,
+    record: CheckpointRecord,
+    rank: int,
+    world: int,
+    *,
+    workers: int = 4,
+) -> Fetched:
+    """The local copy of what ``rank`` of ``world`` reads of a multi-rank checkpoint: at the same
+    world size its own part, and of the lower rank that wrote an entry for it (``ref``) that
+    entry only; at another world size (elastic resume) every part, which resharding reads."""
+    parts = record.event.get("parts") or [[record.manifest, record.manifest_hash, ""]]
+    total = Fetched()
+
+    def add(got: Fetched) -> None:
+        total.manifest = total.manifest or got.manifest
+        total.blobs, total.bytes, total.kept = (
+            total.blobs + got.blobs,
+            total.bytes + got.bytes,
+            total.kept + got.kept,
+        )
+
+    def of(r: int) -> CheckpointRecord:
+        return replace(record, manifest=parts[r][0], manifest_hash=parts[r][1])
+
+    if int(record.event.get("world_size", 1)) != world or rank >= len(parts):
+        for r in range(len(parts)):
+            add(fetch_checkpoint(remote, storage, blobs, of(r), workers=workers))
+        return total
+    add(fetch_checkpoint(remote, storage, blobs, of(rank), workers=workers))
+    manifest = decode_manifest(storage.read(parts[rank][0]), parts[rank][0])
+    refs: dict[int, set[str]] = {}
+    for key, entry in manifest.get("entries", {}).items():
+        if entry.get("ref") is not None:
+            refs.setdefault(int(entry["ref"]), set()).add(key)
+    for owner, keys in sorted(refs.items()):
+        if owner >= len(parts):
+            raise CheckpointCorrupt(f"step {record.step}: an entry refers to rank {owner}, which has no part")
+        add(fetch_checkpoint(remote, storage, blobs, of(owner), workers=workers, only=keys))
+    return total

@@ -10,13 +10,19 @@ One round (:meth:`Replicator.run_round`), started by a commit (``wake``) or by a
    and the manifest are there; it is the remote commit point;
 3. remote retention (``remote_keep_last``).
 
+With several ranks (``world > 1``, :mod:`.parts`) every rank runs one, for its own part: a round
+(:meth:`Replicator._round_parts`) uploads the part's blobs and part manifest, then writes its
+marker; rank 0's round also writes the ``commit`` object of each step whose every part is marked,
+and then, holding ``remote.lock`` exclusively (the ranks' rounds hold it shared), retention.
+
 Every remote call is retried with backoff; a round that still fails is retried later with a
 growing delay, so a remote that is down or slow delays replication, never training. The thread
 runs at the background priority and never holds a lock the training loop waits for.
 
-It stays one module of about 400 lines: the round's upload order, the retries around each call
-and the status it reports are one piece of state around one commit point, and read best in one
-place (the pure part, :func:`plan_round`, is 20 lines and already separate).
+It stays one module (about 570 lines with the multi-rank round): the round's upload order, the
+retries around each call and the status it reports are one piece of state around one commit
+point, and read best in one place (the pure parts, :func:`plan_round` and :mod:`.parts`, are
+separate).
 """
 
 from __future__ import annotations
@@ -28,13 +34,23 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from smartckpt_cli._faults import fault_fail
 from smartckpt_cli.remote.backend import Limiter, Remote, display_url
-from smartckpt_cli.remote.check import REMOTE_LOCK, STATUS_FILE, list_blobs, remove_unreferenced, upload_lag
+from smartckpt_cli.remote.check import REMOTE_LOCK, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.parts import (
+    PARTS_DIR,
+    abandoned_before,
+    marker_body,
+    marker_name,
+    missing_markers,
+    record_parts,
+    status_name,
+)
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.directory import StoreDir
@@ -86,6 +102,7 @@ class _Status:
     blobs_sent: int = 0
     blobs_deduped: int = 0
     checkpoints_sent: int = 0
+    parts_sent: int = 0  # several ranks: this rank's parts marked complete on the remote
     last_upload_seconds: float | None = None
 
 
@@ -93,8 +110,24 @@ class Replicator:
     """Owns the uploader thread. Called by the manager: ``start``, ``wake`` after each commit,
     ``drain`` (close, preemption), ``stop``."""
 
-    def __init__(self, remote: Remote, store: StoreDir, store_id: str, settings: Any, nice: int = 10) -> None:
+    def __init__(
+        self,
+        remote: Remote,
+        store: StoreDir,
+        store_id: str,
+        settings: Any,
+        nice: int = 10,
+        *,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         self.remote = remote
+        # Several ranks (parts.py): this rank uploads its own part and marks it; rank 0 also
+        # writes the commit object once every rank's part is marked, and runs retention.
+        self.rank, self.world = rank, world
+        self._marked: set[str] = set()  # ids whose part of this rank is marked on the remote
+        self._waiting = False  # rank 0: the last round waited for another rank's part
+        self._first_seen: dict[str, float] = {}  # pending id -> wall time it was first seen
         self.journal = RemoteJournal(remote)
         self.store = store
         self.store_id = store_id
@@ -159,7 +192,11 @@ class Replicator:
         delay = 0.0
         while True:
             with self._cond:
-                if not self._stop:
+                if not self._stop and delay and self.world > 1:
+                    # Several ranks: a backoff (or the wait for another rank's part) is waited out
+                    # even when commits wake the uploader, so a failing rank never spins.
+                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                elif not self._stop:
                     self._cond.wait_for(
                         lambda: self._stop or self._wakes > self._done, timeout=delay or IDLE_POLL
                     )
@@ -168,6 +205,8 @@ class Replicator:
                 started = self._wakes
             try:
                 pending = self.run_round()
+                if self._stop and self.world > 1:
+                    return  # a round cut short by stop(): the status keeps the last error seen
             except RemoteMismatch as err:
                 self._disabled = str(err)
                 self.status.last_error = str(err)
@@ -195,8 +234,8 @@ class Replicator:
                 if pending == 0:
                     self._done = max(self._done, started)
                     self._cond.notify_all()
-                else:
-                    delay = 0.1
+                else:  # waiting for another rank's part: list again a second later
+                    delay = 1.0 if self._waiting else 0.1
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         tries = max(1, self.s.remote_retries)
@@ -219,8 +258,102 @@ class Replicator:
     def run_round(self) -> int:
         """One round, under remote.lock; returns how many committed checkpoints are still not
         remote."""
-        with file_lock(Path(self.store.meta_root) / REMOTE_LOCK):
-            return self._round()
+        lock = Path(self.store.meta_root) / REMOTE_LOCK
+        if self.world == 1:
+            with file_lock(lock):
+                return self._round()
+        # Several ranks: their rounds run side by side (shared); rank 0's garbage collection
+        # (exclusive) never runs while any rank is between its dedup decision and its marker.
+        with file_lock(lock, shared=True):
+            pending = self._round_parts()
+        if self.rank == 0:
+            with file_lock(lock):
+                self._expire()
+        return pending
+
+    def _round_parts(self) -> int:
+        """One round with several ranks: this rank's parts up and marked; on rank 0 the commit
+        object of every step whose parts are all marked (parts.py)."""
+        rstate = self._retry("journal read", self.journal.read)
+        if rstate.store_id is None and self.rank == 0:
+            self._retry("journal init", lambda: self.journal.init(self.store_id))
+            rstate = self._retry("journal read", self.journal.read)
+        if rstate.store_id is not None and rstate.store_id != self.store_id:
+            raise RemoteMismatch(
+                f"{display_url(self.remote.url)} holds the checkpoints of another store "
+                f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
+            )
+        if rstate.next_seq != self._next_seq or self._known_blobs is None:
+            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
+        local = self.store.journal.read()
+        markers = set(self._retry("part listing", lambda: self.remote.list(PARTS_DIR)))
+        remote_live = rstate.live_ids()
+        newest = abandoned_before(local.records, remote_live)
+        todo = [r for r in plan_round(local, rstate, self._skip).upload if r.position > newest]
+        self._remote_live = remote_live
+        seq = rstate.next_seq
+        waiting = False
+        left: list[CheckpointRecord] = []
+        for rec in todo:
+            if self._stop:
+                left.append(rec)
+                continue
+            parts = record_parts(rec)
+            mine = marker_name(rec.step, rec.id, self.rank)
+            if parts is None:  # a one-process checkpoint (written before a resize): rank 0's
+                if self.rank == 0:
+                    left.append(rec)
+                continue
+            if self.rank < len(parts) and mine not in markers:
+                try:
+                    self._upload_part(rec, parts[self.rank])
+                except (LocalBlobGone, _LocalCorrupt) as err:
+                    if any(r.id == rec.id and r.live for r in self.store.journal.read().records):
+                        self._skip.add(rec.id)
+                        logger.error(
+                            "remote: step %d: this rank's part is not uploadable (%s)", rec.step, err
+                        )
+                    continue
+                markers.add(mine)
+                self.status.parts_sent += 1
+            self._marked.add(rec.id)
+            if self.rank != 0:
+                continue
+            if missing_markers(rec, markers):
+                waiting = True
+                left.append(rec)
+                continue
+            # IMPORTANT: the commit object goes last, after every rank's part is marked.
+            self._retry("commit", _writer(self.journal, seq, rec))
+            seq += 1
+            self.status.checkpoints_sent += 1
+            self.status.remote_steps.append(rec.step)
+            self._remote_live.add(rec.id)
+        self._waiting = waiting
+        if self.rank == 0:
+            after = self._retry("journal read", self.journal.read)
+            self._next_seq = after.next_seq
+            self._set_pending(left, after)
+        else:
+            self._next_seq = rstate.next_seq
+            self.status.pending, self.status.pending_steps = len(left), [r.step for r in left]
+        self._write_status()
+        return len(left)
+
+    def _upload_part(self, rec: CheckpointRecord, part: list[Any]) -> None:
+        """This rank's part of ``rec``: its blobs, its part manifest, then its marker."""
+        self._upload_checkpoint(replace(rec, manifest=part[0], manifest_hash=part[1]))
+        fault_fail("remote.part")  # tests: a rank killed (or failing) between its part and marker
+        body = marker_body(rec, self.rank)
+        self._retry(
+            "part marker",
+            lambda: self.remote.put(
+                f"{PARTS_DIR}/{marker_name(rec.step, rec.id, self.rank)}",
+                body,
+                part_bytes=self._part(),
+                limiter=self.limiter,
+            ),
+        )
 
     def _round(self) -> int:
         # The lag as last known, before touching the remote (which may be down).
@@ -307,11 +440,19 @@ class Replicator:
         known = self._known_blobs
         todo = [b for b in manifest_blob_ids(manifest) if b not in known]
         self.status.blobs_deduped += len(manifest_blob_ids(manifest)) - len(todo)
+        if self.world > 1 and todo:
+            # Ranks holding the same replicated blobs start at different places in the list, so
+            # the existence check before each upload finds most of another rank's work done.
+            cut = len(todo) * self.rank // self.world
+            todo = todo[cut:] + todo[:cut]
         with ThreadPoolExecutor(
             max_workers=max(1, self.s.remote_workers), thread_name_prefix="smartckpt-upload"
         ) as pool:
             for bid, n in zip(todo, pool.map(self._upload_blob, todo), strict=True):
                 known.add(bid)
+                if n < 0:  # already remote (another rank sent it)
+                    self.status.blobs_deduped += 1
+                    continue
                 self.status.blobs_sent += 1
                 self.status.bytes_sent += n
         self._retry(
@@ -333,6 +474,8 @@ class Replicator:
             raise LocalBlobGone(bid) from err
         if codec.blob_id(data) != bid:  # re-hash: never ship what the local disk damaged
             raise _LocalCorrupt(f"blob {bid} hash mismatch")
+        if self.world > 1 and self._retry("blob check", lambda: self.remote.exists(rel)):
+            return -1  # another rank sent this content already
         self._retry(
             "blob upload", lambda: self.remote.put(rel, data, part_bytes=self._part(), limiter=self.limiter)
         )
@@ -352,10 +495,15 @@ class Replicator:
         }
         self._retry("prune", lambda: self.journal.write(rstate.next_seq, event))
         rstate = self._retry("journal read", self.journal.read)
+        if self.world > 1:  # the other ranks' blobs too (this rank's listing knows its own)
+            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
         assert self._known_blobs is not None
         known = self._known_blobs
         self._retry(
-            "garbage collection", lambda: remove_unreferenced(self.remote, rstate, known, self._manifests)
+            "garbage collection",
+            lambda: remove_unreferenced(
+                self.remote, rstate, known, self._manifests, keep_pending=self.world > 1
+            ),
         )
 
     def _write_status(self) -> None:
@@ -364,17 +512,36 @@ class Replicator:
 
     def _write_status_locked(self) -> None:
         st = self.status
+        oldest: float | None = None
+        part_steps: list[int] = []
         try:  # the lag against the remote as last seen: current even while the remote is down
+            records = self.store.journal.read().records
+            newest = abandoned_before(records, self._remote_live) if self.world > 1 else -1
             lag = [
                 r
-                for r in upload_lag(self.store.journal.read().records, self._remote_live)
+                for r in upload_lag(records, self._remote_live)
                 if r.id not in self._skip
+                and r.position > newest
+                and (self.rank == 0 or r.id not in self._marked)
             ]
             st.pending, st.pending_steps = len(lag), [r.step for r in lag]
+            now = time.time()
+            seen = {r.id: self._first_seen.get(r.id, now) for r in lag}
+            self._first_seen = seen  # when each pending checkpoint was first seen (wake: its commit)
+            own = [r for r in lag if r.id not in self._marked]  # this rank's part not up yet
+            part_steps = [r.step for r in own]
+            oldest = min((seen[r.id] for r in own), default=None)
         except Exception as err:  # the status file is a view; never let it stop the uploader
             logger.debug("upload lag unknown: %s", err)
         body = {
             "remote": display_url(self.remote.url),
+            "rank": self.rank,
+            "world": self.world,
+            # this rank's own part: checkpoints whose part is not on the remote yet, and the
+            # seconds since the oldest of them was committed (its upload lag)
+            "part_pending": len(part_steps),
+            "part_pending_steps": part_steps,
+            "lag_seconds": round(max(0.0, time.time() - oldest), 3) if oldest is not None else 0.0,
             "pending": st.pending,
             "pending_steps": st.pending_steps,
             "remote_steps": st.remote_steps[-20:],
@@ -384,12 +551,13 @@ class Replicator:
             "blobs_sent": st.blobs_sent,
             "blobs_deduped": st.blobs_deduped,
             "checkpoints_sent": st.checkpoints_sent,
+            "parts_sent": st.parts_sent,
             "last_upload_seconds": st.last_upload_seconds,
             "disabled": self._disabled,
             "pid": os.getpid(),
             "updated": time.time(),
         }
-        path = Path(self.store.meta_root) / STATUS_FILE
+        path = Path(self.store.meta_root) / status_name(self.rank)
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
             tmp.write_text(json.dumps(body, indent=1))

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from smartckpt_cli.errors import CheckpointCorrupt
 from smartckpt_cli.remote.backend import Remote, display_url, open_remote
 from smartckpt_cli.remote.check import REMOTE_LOCK
-from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, restore_order
+from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, fetch_part, restore_order
 from smartckpt_cli.remote.replicator import Replicator
 from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.store.checkpoints import candidates
@@ -43,8 +43,9 @@ T = TypeVar("T")
 
 
 class RemoteTier:
-    def __init__(self, remote: Remote, store: StoreDir, settings: Any) -> None:
+    def __init__(self, remote: Remote, store: StoreDir, settings: Any, rank: int = 0, world: int = 1) -> None:
         self.remote = remote
+        self.rank, self.world = rank, world  # several ranks: each uploads and fetches its own part
         self.url = display_url(remote.url)
         self.store = store
         self.settings = settings
@@ -53,8 +54,8 @@ class RemoteTier:
         self.adopted_store_id: str | None = None
 
     @classmethod
-    def open(cls, settings: Any, store: StoreDir) -> RemoteTier:
-        tier = cls(open_remote(settings.remote), store, settings)
+    def open(cls, settings: Any, store: StoreDir, rank: int = 0, world: int = 1) -> RemoteTier:
+        tier = cls(open_remote(settings.remote), store, settings, rank, world)
         if not store.journal.exists():
             try:
                 tier.adopted_store_id = tier.journal.read().store_id
@@ -103,21 +104,32 @@ class RemoteTier:
         rec = cand.record
         with file_lock(self.store.meta_root / GC_LOCK, shared=True):  # fetched blobs are no garbage
             try:
-                got = fetch_checkpoint(
-                    self.remote,
-                    self.store.storage,
-                    self.store.blobs,
-                    rec,
-                    workers=self.settings.remote_workers,
-                )
+                if rec.event.get("parts") or self.world > 1:
+                    got = fetch_part(
+                        self.remote,
+                        self.store.storage,
+                        self.store.blobs,
+                        rec,
+                        self.rank,
+                        self.world,
+                        workers=self.settings.remote_workers,
+                    )
+                else:
+                    got = fetch_checkpoint(
+                        self.remote,
+                        self.store.storage,
+                        self.store.blobs,
+                        rec,
+                        workers=self.settings.remote_workers,
+                    )
             except CheckpointCorrupt:
                 raise
             except Exception as err:  # remote down mid-restore: fall back like any unusable copy
                 raise CheckpointCorrupt(
                     f"step {rec.step}: remote {self.url} unreachable: {_short(err)}"
                 ) from err
-            if cand.where == "remote":
-                # The local journal learns of it: local retention, inspect and dedup see it.
+            if cand.where == "remote" and self.rank == 0:
+                # The local journal (one for all ranks: rank 0 writes it) learns of it: local retention, inspect and dedup see it.
                 self.store.journal.append(dict(rec.event))
         logger.warning(
             "step %d: downloaded %d blob(s)%s, %d byte(s) from remote %s; %d blob(s) were sound locally",
@@ -134,7 +146,9 @@ class RemoteTier:
     def start(self, store_id: str, nice: int) -> None:
         # One uploader per store: the manager's writer.lock already makes it one per store; the
         # uploader takes remote.lock for each round (see check.REMOTE_LOCK).
-        self.replicator = Replicator(self.remote, self.store, store_id, self.settings, nice=nice)
+        self.replicator = Replicator(
+            self.remote, self.store, store_id, self.settings, nice=nice, rank=self.rank, world=self.world
+        )
         self.replicator.start()
         self.replicator.wake()  # a backlog left by an earlier run goes up now
 

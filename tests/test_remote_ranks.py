@@ -1,0 +1,338 @@
+"""The remote tier under torchrun: 2 CPU ranks (gloo), node-local ``dir`` per rank, a shared
+``meta_dir``, moto's S3 server. Every rank uploads its own part and marks it; rank 0 writes the
+remote commit of a step only once every rank's part is marked. Real processes, real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from smartckpt_cli.cli.inspect_cmd import _remote_line
+from smartckpt_cli.cli.run import _remote_cell
+from smartckpt_cli.remote.backend import open_remote
+from smartckpt_cli.remote.check import merge_status, prune_remote, read_status, remote_summary, verify_remote
+from smartckpt_cli.remote.fetch import manifest_blob_ids
+from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
+from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
+from tests._state import assert_same_state
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TOTAL = 20
+NODE_LOCAL = ["--dir", "local", "--node-local", "--meta-dir", "shared", "--every", "5"]
+
+
+# ---------------------------------------------------------------- pure rules (fast)
+
+
+def _rec(step: int, cid: str, ranks: int) -> CheckpointRecord:
+    parts = [[f"manifests/{step:012d}-{cid}-r{r}.json", f"h{r}", f"d{r}"] for r in range(ranks)]
+    return CheckpointRecord(step, cid, parts[0][0], "h0", step, event={"parts": parts, "world_size": ranks})
+
+
+def test_status_of_several_ranks_names_the_slowest():
+    a = {"remote": "s3://b/p", "world": 2, "rank": 0, "pending": 1, "pending_steps": [10], "lag_seconds": 2.0}
+    b = {
+        "rank": 1,
+        "pending": 3,
+        "pending_steps": [10, 15, 20],
+        "lag_seconds": 9.5,
+        "last_error": "OSError: x",
+    }
+    merged = merge_status([a, b])
+    assert merged["slowest_rank"] == 1 and merged["lag_seconds"] == 9.5
+    assert merged["pending"] == 1 and merged["last_error"] == "rank 1: OSError: x"
+    assert "slowest rank 1" in _remote_line(merged)
+    assert merge_status([a, None])["slowest_rank"] == 1  # a rank that wrote nothing yet is behind
+
+
+def test_a_step_needs_every_ranks_marker():
+    rec = _rec(10, "abc", 2)
+    assert missing_markers(rec, set()) == [0, 1]
+    assert missing_markers(rec, {marker_name(10, "abc", 0)}) == [1]
+    assert missing_markers(rec, {marker_name(10, "abc", 0), marker_name(10, "abc", 1)}) == []
+    assert marker_name(10, "abc", 1) != marker_name(10, "abc", 0)  # no two writers collide
+    assert status_name(0) == "remote-status.json" and status_name(1) == "remote-status-r1.json"
+
+
+# ---------------------------------------------------------------- end to end (slow)
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = MotoServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, request):
+    bucket = "b-" + request.node.name.lower().replace("_", "-")[:50]
+    client(moto.port).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/job", bucket, s3_env(moto.port)
+
+
+@pytest.fixture(scope="module")
+def env_base() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _torchrun(args: list[str], cwd: Path, env: dict[str, str], nproc: int = 2) -> tuple[int, str]:
+    cmd = [*TORCHRUN[:-1], str(nproc), str(SCRIPT), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env_base) -> list[dict]:
+    """An uninterrupted 2-rank DDP run of the same script, no remote."""
+    d = tmp_path_factory.mktemp("reference")
+    rc, log = _torchrun(["--dir", "ck", "--every", "5", "--total", str(TOTAL), "--out", "ref"], d, env_base)
+    assert rc == 0, log
+    return [torch.load(d / f"ref.r{r}", weights_only=True) for r in (0, 1)]
+
+
+def _remote_env(
+    env_base: dict[str, str], s3: tuple[str, str, dict[str, str]], **extra: str
+) -> dict[str, str]:
+    url, _, aws = s3
+    return {**env_base, **aws, "SMARTCKPT_REMOTE": url, "SMARTCKPT_REMOTE_RETRIES": "2", **extra}
+
+
+@contextlib.contextmanager
+def _aws(env: dict[str, str]) -> Iterator[None]:
+    """This process talks to the test's S3 server with the test's throwaway credentials."""
+    old = {k: os.environ.get(k) for k in env if k.startswith("AWS_")}
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _remote_commits(url: str, env: dict[str, str]) -> list[CheckpointRecord]:
+    with _aws(env):
+        return sorted(RemoteJournal(open_remote(url)).read().live(), key=lambda r: r.step)
+
+
+def _markers(port: int, bucket: str) -> set[str]:
+    return {k.rsplit("/", 1)[-1] for k in all_objects(port, bucket) if f"/{PARTS_DIR}/" in k}
+
+
+def _start(out: str) -> int:
+    found = re.findall(r"rank 0 start (\d+)", out)
+    assert found, out
+    return int(found[0])
+
+
+def _wipe(tmp_path: Path) -> None:
+    shutil.rmtree(tmp_path / "local")  # both node-local disks
+    shutil.rmtree(tmp_path / "shared")  # and the shared meta_dir
+
+
+@pytest.mark.slow
+def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 1: train, SIGKILL the group, delete both node-local dirs and the shared meta_dir,
+    restart: the job resumes from the newest remote step, final weights equal bit for bit."""
+    url, bucket, _ = s3
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
+    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "1"], tmp_path, env)
+    assert rc != 0, out
+    commits = _remote_commits(url, env)
+    assert commits, out
+    for rec in commits:  # every remote commit names both parts, each marked and present
+        assert rec.event["world_size"] == 2 and len(rec.event["parts"]) == 2
+        assert not missing_markers(rec, _markers(moto.port, bucket))
+    newest = commits[-1].step
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env)
+    assert rc == 0, out2
+    assert _start(out2) == newest, out2
+    assert "from remote" in out2
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+    # per-rank status files; `smartckpt run`'s status line names the slowest rank
+    for r in (0, 1):
+        st = json.loads((tmp_path / "shared" / status_name(r)).read_text())
+        assert st["rank"] == r and st["pending"] == 0
+    merged = read_status(tmp_path / "shared")
+    assert merged is not None and [x["rank"] for x in merged["ranks"]] == [0, 1]
+    assert "slowest rank" in (_remote_cell(tmp_path / "shared") or "")
+    _verify_and_prune_every_part(url, env)
+    # no secret anywhere
+    assert SECRET not in out + out2
+    assert all(SECRET.encode() not in v for v in all_objects(moto.port, bucket).values())
+
+
+@pytest.mark.slow
+def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 2: rank 1 is killed in its second part's upload (step 10), after rank 0's part:
+    no remote commit for step 10; a restore from the remote takes the previous one."""
+    url, bucket, _ = s3
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.3", "--out", "run"]
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@2", "SMARTCKPT_FAULT_RANK": "1"}
+    rc, out = _torchrun(args, tmp_path, {**env, **faults})
+    assert rc != 0, out
+    steps = [r.step for r in _remote_commits(url, env)]
+    assert 10 not in steps and all(s < 10 for s in steps), (steps, out)
+    markers = _markers(moto.port, bucket)
+    assert not any(m.startswith(f"{10:012d}-") and m.endswith("-r1.json") for m in markers)
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env)
+    assert rc == 0, out2
+    assert _start(out2) == (steps[-1] if steps else 0), out2
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+
+
+@pytest.mark.slow
+def test_one_ranks_uploads_failing_never_stall_training_nor_commit_a_missing_part(
+    tmp_path, s3, moto, env_base, reference
+):
+    """Must show 3: rank 1's uploads always fail (its marker never goes up): both ranks train to
+    the end at full speed and bit-exact, close() waits at most remote_close_wait, and the remote
+    holds no commit (each would miss rank 1's part)."""
+    url, bucket, _ = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="3")
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
+    faults["SMARTCKPT_FAULT_MODE"] = "raise"
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--out", "run"]
+    t0 = time.monotonic()
+    rc, out = _torchrun(args, tmp_path, {**env, **faults})
+    took = time.monotonic() - t0
+    assert rc == 0, out
+    assert "rank 0 done 20" in out and "rank 1 done 20" in out
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+    assert took < 90, took  # a stalled rank would wait out the gloo timeout (900 s)
+    assert _remote_commits(url, env) == []
+    markers = _markers(moto.port, bucket)
+    assert markers and not any(m.endswith("-r1.json") for m in markers)  # rank 0's parts went up
+    st1 = json.loads((tmp_path / "shared" / status_name(1)).read_text())
+    assert st1["pending"] >= 1 and "injected" in (st1["last_error"] or ""), st1
+    st0 = json.loads((tmp_path / "shared" / status_name(0)).read_text())
+    assert st0["pending"] >= 1, st0
+    # `inspect --remote` asks the remote: rank 1 is the one behind
+    store = open_store(tmp_path / "local" / "node0", tmp_path / "shared", create=False)
+    state = store.journal.read()
+    with _aws(env):
+        view = remote_summary(state.records, state.store_id, url)
+    assert view["ranks"][0]["pending"] == 0 and view["ranks"][1]["pending"] >= 1, view
+    assert "per rank: rank 0 0 behind, rank 1" in _remote_line(view)
+    merged = read_status(tmp_path / "shared")
+    assert merged is not None and merged["slowest_rank"] == 1 and "rank 1" in (merged["last_error"] or "")
+
+
+def _verify_and_prune_every_part(url: str, env: dict[str, str]) -> None:
+    """verify --remote --all checks every rank's part; prune --remote keeps every blob a kept
+    step's part on any rank references."""
+    with _aws(env):
+        remote = open_remote(url)
+        journal = RemoteJournal(remote)
+        checks = verify_remote(remote, journal.read(), all_checkpoints=True)
+        assert len(checks) >= 2 and all(c.ok for c in checks), checks
+        plan = prune_remote(remote, journal, 1)
+        assert len(plan.keep) == 1 and plan.remove
+        state = journal.read()
+        checks = verify_remote(remote, state, all_checkpoints=True)
+        assert len(checks) == 1 and checks[0].ok, checks
+        kept = state.live()[0]
+        parts = kept.event["parts"]
+        ids = [set(manifest_blob_ids(decode_manifest(remote.get(p[0]), p[0]))) for p in parts]
+        only_rank1 = sorted(ids[1] - ids[0])
+        assert only_rank1  # rank 1's own state (its RNG) is in its part only
+        for rel in [p[0] for rec in plan.remove for p in rec.event["parts"]]:
+            assert not remote.exists(rel)  # every part manifest of a pruned step is gone
+        remote.remove(f"blobs/{only_rank1[0][:2]}/{only_rank1[0]}")
+        bad = verify_remote(remote, journal.read(), all_checkpoints=True)
+        assert not bad[0].ok and only_rank1[0] in (bad[0].problem or "")
+
+
+@pytest.mark.slow
+def test_a_node_that_lost_its_part_downloads_only_its_own_and_another_world_size_resumes(
+    tmp_path, s3, moto, env_base
+):
+    """One node's disk lost while the other keeps its part: only that rank downloads, only its own
+    part. Then every disk and meta_dir lost, and the job comes back at 1 rank (elastic resume):
+    it restores the newest remote step from the 2-rank parts."""
+    url, _, _ = s3
+    env = _remote_env(env_base, s3)
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "10"], tmp_path, env)
+    assert rc == 0, out
+    assert [r.step for r in _remote_commits(url, env)] == [5, 10]  # close() waited for the uploads
+    shutil.rmtree(tmp_path / "local" / "node1")
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "12"], tmp_path, env)
+    assert rc == 0, out
+    assert "rank 0 start 10" in out and "rank 1 start 10" in out, out
+    fetched = [line for line in out.splitlines() if "from remote" in line and "downloaded" in line]
+    assert len(fetched) == 1 and "0 blob(s) were sound locally" in fetched[0], out
+    own = {p.name for p in (tmp_path / "local" / "node1" / "manifests").iterdir()}
+    assert own and all(n.endswith("-r1.json") for n in own), own  # rank 1's part, nothing else
+    _wipe(tmp_path)
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "14"], tmp_path, env, nproc=1)
+    assert rc == 0, out
+    assert "rank 0 start 10" in out and "rank 1" not in out, out  # the newest remote step, at 1 rank
+    assert "written by 2 rank(s), restored on 1" in out, out
+
+
+@pytest.mark.slow
+def test_preemption_of_one_rank_gets_every_part_up_before_exit(tmp_path, s3, env_base):
+    """SIGTERM reaches rank 1 only: both ranks take the preemption save, each waits (up to
+    remote_close_wait) for its part, rank 0 for the commit; the remote holds that step. With
+    rank 1's uploads failing, every rank gives up after remote_close_wait and the remote holds
+    no commit for the step."""
+    url, _, _ = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="4")
+    args = [*NODE_LOCAL[:-1], "1000", "--total", "60", "--step-time", "0.02"]
+    rc, out = _torchrun([*args, "--signal-at", "15", "--signal-rank", "1"], tmp_path, env)
+    assert rc != 0, out
+    journal = [json.loads(line) for line in (tmp_path / "shared" / "journal.jsonl").read_text().splitlines()]
+    saved = [e["step"] for e in journal if e["event"] == "commit"]
+    assert len(saved) == 1, journal
+    assert [r.step for r in _remote_commits(url, env)] == saved  # up before the processes exited
+
+    shutil.rmtree(tmp_path / "local")
+    shutil.rmtree(tmp_path / "shared")
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
+    faults["SMARTCKPT_FAULT_MODE"] = "raise"
+    t0 = time.monotonic()
+    rc, out = _torchrun([*args, "--signal-at", "30", "--signal-rank", "1"], tmp_path, {**env, **faults})
+    assert rc != 0, out
+    assert time.monotonic() - t0 < 60, out
+    assert "rank 0 start " + str(saved[0]) in out, out
+    journal = [json.loads(line) for line in (tmp_path / "shared" / "journal.jsonl").read_text().splitlines()]
+    second = [
+        e["step"] for e in journal if e["event"] == "commit" and e.get("reason", "").startswith("preemption")
+    ]
+    assert second and second[-1] > saved[0], journal
+    assert [r.step for r in _remote_commits(url, env)] == saved  # the new step lacks rank 1's part
