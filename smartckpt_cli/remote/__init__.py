@@ -9,9 +9,10 @@ Layout under the remote URL (every object is written once and never modified)::
     parts/<step>-<id>-r<rank>.json         several ranks: rank <rank>'s part of a step is remote
 
 Modules: ``backend`` (where bytes go), ``rjournal`` (the remote commit point), ``parts`` (the
-rule for a step written by several ranks), ``replicator``
-(the background uploader), ``fetch`` (restore's downloads), ``check`` (inspect, verify, prune on
-the remote side) and ``tier`` (the glue the manager calls).
+rule for a step written by several ranks), ``replicator`` (the background uploader; its round's
+plan in ``plan``, the multi-rank round in ``part_round``, its status file in ``status``),
+``fetch`` (restore's downloads), ``check`` (inspect, verify, prune on the remote side) and
+``tier`` (the glue the manager calls).
 """
 
 from smartckpt_cli.remote.backend import Remote, display_url, open_remote

@@ -2,7 +2,7 @@
 
 One round (:meth:`Replicator.run_round`), started by a commit (``wake``) or by a timer:
 
-1. read both journals; :func:`plan_round` (pure) says which local commits the remote lacks,
+1. read both journals; :func:`.plan.plan_round` (pure) says which local commits the remote lacks,
    and which remote checkpoints were rolled back locally;
 2. for each missing commit, oldest first: upload the blobs the remote does not have (each one
    re-hashed first: a blob damaged on the local disk is never shipped), then the manifest, then
@@ -11,7 +11,7 @@ One round (:meth:`Replicator.run_round`), started by a commit (``wake``) or by a
 3. remote retention (``remote_keep_last``).
 
 With several ranks (``world > 1``, :mod:`.parts`) every rank runs one, for its own part: a round
-(:meth:`Replicator._round_parts`) uploads the part's blobs and part manifest, then writes its
+(:func:`.part_round.round_parts`) uploads the part's blobs and part manifest, then writes its
 marker; rank 0's round also writes the ``commit`` object of each step whose every part is marked,
 and then, holding ``remote.lock`` exclusively (the ranks' rounds hold it shared), retention.
 
@@ -19,42 +19,38 @@ Every remote call is retried with backoff; a round that still fails is retried l
 growing delay, so a remote that is down or slow delays replication, never training. The thread
 runs at the background priority and never holds a lock the training loop waits for.
 
-It stays one module (about 570 lines with the multi-rank round): the round's upload order, the
-retries around each call and the status it reports are one piece of state around one commit
-point, and read best in one place (the pure parts, :func:`plan_round` and :mod:`.parts`, are
-separate).
+This module holds the thread, the one-process round, the uploads and retention; the round's plan
+and errors are in :mod:`.plan`, the multi-rank round in :mod:`.part_round`, and the status file it
+reports to in :mod:`.status`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smartckpt_cli._faults import fault_fail
 from smartckpt_cli.remote.backend import Limiter, Remote, display_url
 from smartckpt_cli.remote.check import REMOTE_LOCK, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
-from smartckpt_cli.remote.parts import (
-    PARTS_DIR,
-    abandoned_before,
-    marker_body,
-    marker_name,
-    missing_markers,
-    record_parts,
-    status_name,
+from smartckpt_cli.remote.part_round import round_parts
+from smartckpt_cli.remote.plan import (
+    LocalBlobGone,
+    RemoteMismatch,
+    RoundPlan,
+    _LocalCorrupt,
+    _writer,
+    plan_round,
 )
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.remote.status import _Status, write_status
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.directory import StoreDir
-from smartckpt_cli.store.journal import CheckpointRecord, JournalState, decode_manifest
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
 from smartckpt_cli.store.retention import select_prunable
 from smartckpt_cli.store.storage.local import file_lock
 
@@ -65,45 +61,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_POLL = 30.0  # seconds between rounds when nothing wakes the uploader
 MAX_BACKOFF = 30.0
-
-
-class RemoteMismatch(Exception):
-    """The remote holds another store's checkpoints: never mix them."""
-
-
-@dataclass
-class RoundPlan:
-    upload: list[CheckpointRecord] = field(default_factory=list)  # oldest first
-    withdraw: list[CheckpointRecord] = field(default_factory=list)  # rolled back locally
-
-
-def plan_round(local: JournalState, remote: RemoteState, skip: set[str] | None = None) -> RoundPlan:
-    """Pure: what one round must do to bring the remote up to the local journal."""
-    bad = skip or set()
-    remote_live = remote.live_ids()
-    upload = [r for r in upload_lag(local.records, remote_live) if r.id not in bad]
-    rolled_back = {r.id for r in local.records if r.rolled_back}
-    withdraw = [r for r in remote.live() if r.id in rolled_back]
-    return RoundPlan(upload, withdraw)
-
-
-class LocalBlobGone(Exception):
-    """A blob vanished locally mid-upload (local retention pruned its checkpoint)."""
-
-
-@dataclass
-class _Status:
-    pending: int = 0
-    pending_steps: list[int] = field(default_factory=list)
-    remote_steps: list[int] = field(default_factory=list)
-    last_error: str | None = None
-    failures_in_row: int = 0
-    bytes_sent: int = 0
-    blobs_sent: int = 0
-    blobs_deduped: int = 0
-    checkpoints_sent: int = 0
-    parts_sent: int = 0  # several ranks: this rank's parts marked complete on the remote
-    last_upload_seconds: float | None = None
 
 
 class Replicator:
@@ -265,95 +222,11 @@ class Replicator:
         # Several ranks: their rounds run side by side (shared); rank 0's garbage collection
         # (exclusive) never runs while any rank is between its dedup decision and its marker.
         with file_lock(lock, shared=True):
-            pending = self._round_parts()
+            pending = round_parts(self)
         if self.rank == 0:
             with file_lock(lock):
                 self._expire()
         return pending
-
-    def _round_parts(self) -> int:
-        """One round with several ranks: this rank's parts up and marked; on rank 0 the commit
-        object of every step whose parts are all marked (parts.py)."""
-        rstate = self._retry("journal read", self.journal.read)
-        if rstate.store_id is None and self.rank == 0:
-            self._retry("journal init", lambda: self.journal.init(self.store_id))
-            rstate = self._retry("journal read", self.journal.read)
-        if rstate.store_id is not None and rstate.store_id != self.store_id:
-            raise RemoteMismatch(
-                f"{display_url(self.remote.url)} holds the checkpoints of another store "
-                f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
-            )
-        if rstate.next_seq != self._next_seq or self._known_blobs is None:
-            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
-        local = self.store.journal.read()
-        markers = set(self._retry("part listing", lambda: self.remote.list(PARTS_DIR)))
-        remote_live = rstate.live_ids()
-        newest = abandoned_before(local.records, remote_live)
-        todo = [r for r in plan_round(local, rstate, self._skip).upload if r.position > newest]
-        self._remote_live = remote_live
-        seq = rstate.next_seq
-        waiting = False
-        left: list[CheckpointRecord] = []
-        for rec in todo:
-            if self._stop:
-                left.append(rec)
-                continue
-            parts = record_parts(rec)
-            mine = marker_name(rec.step, rec.id, self.rank)
-            if parts is None:  # a one-process checkpoint (written before a resize): rank 0's
-                if self.rank == 0:
-                    left.append(rec)
-                continue
-            if self.rank < len(parts) and mine not in markers:
-                try:
-                    self._upload_part(rec, parts[self.rank])
-                except (LocalBlobGone, _LocalCorrupt) as err:
-                    if any(r.id == rec.id and r.live for r in self.store.journal.read().records):
-                        self._skip.add(rec.id)
-                        logger.error(
-                            "remote: step %d: this rank's part is not uploadable (%s)", rec.step, err
-                        )
-                    continue
-                markers.add(mine)
-                self.status.parts_sent += 1
-            self._marked.add(rec.id)
-            if self.rank != 0:
-                continue
-            if missing_markers(rec, markers):
-                waiting = True
-                left.append(rec)
-                continue
-            # IMPORTANT: the commit object goes last, after every rank's part is marked.
-            self._retry("commit", _writer(self.journal, seq, rec))
-            seq += 1
-            self.status.checkpoints_sent += 1
-            self.status.remote_steps.append(rec.step)
-            self._remote_live.add(rec.id)
-        self._waiting = waiting
-        if self.rank == 0:
-            after = self._retry("journal read", self.journal.read)
-            self._next_seq = after.next_seq
-            self._set_pending(left, after)
-        else:
-            self._next_seq = rstate.next_seq
-            self.status.pending, self.status.pending_steps = len(left), [r.step for r in left]
-        self._write_status()
-        return len(left)
-
-    def _upload_part(self, rec: CheckpointRecord, part: list[Any]) -> None:
-        """This rank's part of ``rec``: its blobs, its part manifest, then its marker."""
-        self._upload_checkpoint(replace(rec, manifest=part[0], manifest_hash=part[1]))
-        fault_fail("remote.part")  # tests: a rank killed (or failing) between its part and marker
-        body = marker_body(rec, self.rank)
-        self._retry(
-            "part marker",
-            lambda: self.remote.put(
-                f"{PARTS_DIR}/{marker_name(rec.step, rec.id, self.rank)}",
-                body,
-                part_bytes=self._part(),
-                limiter=self.limiter,
-            ),
-        )
 
     def _round(self) -> int:
         # The lag as last known, before touching the remote (which may be down).
@@ -507,68 +380,4 @@ class Replicator:
         )
 
     def _write_status(self) -> None:
-        with self._status_lock:  # the uploader and the saver thread (wake) both write it
-            self._write_status_locked()
-
-    def _write_status_locked(self) -> None:
-        st = self.status
-        oldest: float | None = None
-        part_steps: list[int] = []
-        try:  # the lag against the remote as last seen: current even while the remote is down
-            records = self.store.journal.read().records
-            newest = abandoned_before(records, self._remote_live) if self.world > 1 else -1
-            lag = [
-                r
-                for r in upload_lag(records, self._remote_live)
-                if r.id not in self._skip
-                and r.position > newest
-                and (self.rank == 0 or r.id not in self._marked)
-            ]
-            st.pending, st.pending_steps = len(lag), [r.step for r in lag]
-            now = time.time()
-            seen = {r.id: self._first_seen.get(r.id, now) for r in lag}
-            self._first_seen = seen  # when each pending checkpoint was first seen (wake: its commit)
-            own = [r for r in lag if r.id not in self._marked]  # this rank's part not up yet
-            part_steps = [r.step for r in own]
-            oldest = min((seen[r.id] for r in own), default=None)
-        except Exception as err:  # the status file is a view; never let it stop the uploader
-            logger.debug("upload lag unknown: %s", err)
-        body = {
-            "remote": display_url(self.remote.url),
-            "rank": self.rank,
-            "world": self.world,
-            # this rank's own part: checkpoints whose part is not on the remote yet, and the
-            # seconds since the oldest of them was committed (its upload lag)
-            "part_pending": len(part_steps),
-            "part_pending_steps": part_steps,
-            "lag_seconds": round(max(0.0, time.time() - oldest), 3) if oldest is not None else 0.0,
-            "pending": st.pending,
-            "pending_steps": st.pending_steps,
-            "remote_steps": st.remote_steps[-20:],
-            "last_error": st.last_error,
-            "failures_in_row": st.failures_in_row,
-            "bytes_sent": st.bytes_sent,
-            "blobs_sent": st.blobs_sent,
-            "blobs_deduped": st.blobs_deduped,
-            "checkpoints_sent": st.checkpoints_sent,
-            "parts_sent": st.parts_sent,
-            "last_upload_seconds": st.last_upload_seconds,
-            "disabled": self._disabled,
-            "pid": os.getpid(),
-            "updated": time.time(),
-        }
-        path = Path(self.store.meta_root) / status_name(self.rank)
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(body, indent=1))
-            os.replace(tmp, path)
-        except OSError as err:
-            logger.debug("cannot write %s: %s", path, err)
-
-
-class _LocalCorrupt(Exception):
-    pass
-
-
-def _writer(journal: RemoteJournal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
-    return lambda: journal.write(seq, dict(rec.event), tag=rec.id)
+        write_status(self)

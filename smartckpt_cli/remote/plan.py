@@ -1,0 +1,46 @@
+"""What one upload round must do, and the errors it raises: the pure :func:`plan_round` (which
+local commits the remote lacks, which remote checkpoints were rolled back locally), shared by the
+one-process round (:mod:`.replicator`) and the multi-rank round (:mod:`.part_round`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from smartckpt_cli.remote.check import upload_lag
+from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.store.journal import CheckpointRecord, JournalState
+
+__all__ = ["LocalBlobGone", "RemoteMismatch", "RoundPlan", "plan_round"]
+
+
+class RemoteMismatch(Exception):
+    """The remote holds another store's checkpoints: never mix them."""
+
+
+@dataclass
+class RoundPlan:
+    upload: list[CheckpointRecord] = field(default_factory=list)  # oldest first
+    withdraw: list[CheckpointRecord] = field(default_factory=list)  # rolled back locally
+
+
+def plan_round(local: JournalState, remote: RemoteState, skip: set[str] | None = None) -> RoundPlan:
+    """Pure: what one round must do to bring the remote up to the local journal."""
+    bad = skip or set()
+    remote_live = remote.live_ids()
+    upload = [r for r in upload_lag(local.records, remote_live) if r.id not in bad]
+    rolled_back = {r.id for r in local.records if r.rolled_back}
+    withdraw = [r for r in remote.live() if r.id in rolled_back]
+    return RoundPlan(upload, withdraw)
+
+
+class LocalBlobGone(Exception):
+    """A blob vanished locally mid-upload (local retention pruned its checkpoint)."""
+
+
+class _LocalCorrupt(Exception):
+    pass
+
+
+def _writer(journal: RemoteJournal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
+    return lambda: journal.write(seq, dict(rec.event), tag=rec.id)
