@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,81 @@ def test_ddp_store_shows_two_ranks_nothing_sharded_and_exports_rank_0s_weights(t
         want = torch.load(tmp_path / f"final.r{rank}", weights_only=True)["model"]
         assert set(got) == set(want)
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _part_blobs(directory: Path, part: list) -> set[str]:
+    """The blob ids a part manifest's own entries reference (not those it refers to by ``ref``)."""
+    manifest = json.loads((directory / part[0]).read_bytes())
+    out: set[str] = set()
+    for entry in manifest["entries"].values():
+        for stream in (entry.get("data"), entry.get("patch")):
+            out.update(str(c[0]) for c in (stream or {}).get("chunks", []))
+    return out
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def test_verify_checks_every_ranks_part_and_names_the_rank_of_a_damaged_one(
+    store: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """A shared dir holds both ranks' parts: verify checks both. Damage to a blob that only rank
+    1's part references (a shard of its own) is found and named with the rank."""
+    ck = tmp_path / "ck"
+    shutil.copytree(store[0], ck)
+    result = runner.invoke(app, ["verify", str(ck), "--all", "--json", "--no-record"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["results"]
+    assert [(r["step"], r["ranks_checked"], r["ranks_elsewhere"]) for r in rows] == [
+        (6, [0, 1], []),
+        (3, [0, 1], []),
+    ]
+
+    commit = [json.loads(line) for line in (ck / "journal.jsonl").read_text().splitlines()]
+    parts = next(e for e in commit if e["event"] == "commit" and e["step"] == 6)["parts"]
+    only_rank1 = sorted(_part_blobs(ck, parts[1]) - _part_blobs(ck, parts[0]))
+    assert only_rank1, "rank 1's shards share every blob with rank 0's"
+    _flip_a_byte(ck / "blobs" / only_rank1[0][:2] / only_rank1[0])
+    result = runner.invoke(app, ["verify", str(ck), "--step", "6", "--no-record"])
+    assert result.exit_code == 1, result.output
+    assert "CORRUPT: rank 1: " in result.stdout and f"hash mismatch in blob {only_rank1[0]}" in result.stdout
+    assert "rank 0:" not in result.stdout, result.stdout
+
+
+def test_verify_of_node_local_dirs_checks_the_parts_each_holds_and_names_the_others(tmp_path: Path) -> None:
+    """Node-local dirs: each holds its own rank's part. verify of one names the other rank's part
+    as written elsewhere (not damage, exit 0); damage on node 1 is found from node 1's dir only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [str(ROOT / "tests" / "scripts" / "ddp_train.py"), "--mode", "ddp", "--total", "10"]
+    cmd += ["--every", "5", "--dir", "local", "--node-local", "--meta-dir", "shared"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    shared = ["--meta-dir", str(tmp_path / "shared")]
+
+    for rank in (0, 1):
+        node = tmp_path / "local" / f"node{rank}"
+        result = runner.invoke(app, ["verify", str(node), *shared, "--json", "--no-record"])
+        assert result.exit_code == 0, result.output
+        row = json.loads(result.stdout)["results"][0]
+        assert (row["step"], row["ranks_checked"], row["ranks_elsewhere"]) == (10, [rank], [1 - rank])
+    result = runner.invoke(
+        app, ["verify", str(tmp_path / "local" / "node0"), *shared], env={"COLUMNS": "300"}
+    )
+    assert "ok (parts checked here: rank 0; rank 1 wrote to another disk" in result.stdout, result.stdout
+
+    node1 = tmp_path / "local" / "node1"
+    journal = [json.loads(line) for line in (tmp_path / "shared" / "journal.jsonl").read_text().splitlines()]
+    parts = next(e for e in journal if e["event"] == "commit" and e["step"] == 10)["parts"]
+    bid = sorted(_part_blobs(node1, parts[1]))[0]
+    blob = node1 / "blobs" / bid[:2] / bid
+    _flip_a_byte(blob)
+    result = runner.invoke(app, ["verify", str(node1), *shared, "--no-record"])
+    assert result.exit_code == 1 and "rank 1: " in result.stdout and blob.name in result.stdout, result.output
+    result = runner.invoke(app, ["verify", str(tmp_path / "local" / "node0"), *shared, "--no-record"])
+    assert result.exit_code == 0, result.output

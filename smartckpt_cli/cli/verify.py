@@ -38,6 +38,10 @@ def verify(
     mismatch, undecodable chunk, a manifest that does not match its commit), plus one line per
     torn or damaged journal line. A progress bar is shown on a terminal.
 
+    A checkpoint of several ranks is checked part by part: every rank's part this directory
+    holds (all of them on a shared dir). Parts written to another node's disk (node-local dirs)
+    are named on the line as not checked here; verify that node's directory too.
+
     \b
     Examples:
       smartckpt verify ./checkpoints
@@ -95,7 +99,7 @@ def verify(
         for r in report.results:
             # Plain lines, never wrapped: operators grep them for blob ids.
             state = r.note if r.note else "ok" if r.ok else f"CORRUPT: {r.problem}"
-            say(f"step {r.step} ({r.id}): {state}")
+            say(f"step {r.step} ({r.id}): {state}{_parts_said(r.ranks_checked, r.ranks_elsewhere)}")
         for p in report.journal_problems:
             say(f"journal: {p}")
         for rr in remote_results or []:
@@ -111,3 +115,15 @@ def verify(
                 error=True,
             )
     raise typer.Exit(0 if report.ok and remote_ok else 1)
+
+
+def _parts_said(checked: list[int], elsewhere: list[int]) -> str:
+    """What of a multi-rank checkpoint was checked from this directory ('' for one process)."""
+    if not elsewhere:
+        return f" ({len(checked)} ranks' parts)" if len(checked) > 1 else ""
+    ranks = ", ".join(map(str, elsewhere))
+    mine = ", ".join(map(str, checked)) or "none"
+    return (
+        f" (parts checked here: rank {mine}; rank {ranks} wrote to another disk: "
+        "verify that node's directory with the same --meta-dir)"
+    )

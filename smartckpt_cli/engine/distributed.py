@@ -34,6 +34,7 @@ import torch
 
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.state.tree import local_tensor
+from smartckpt_cli.store.directory import DIR_ID
 from smartckpt_cli.store.journal import record_manifests
 
 __all__ = [
@@ -53,7 +54,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DIR_ID = "dir.id"
 # Long enough for a slow rank's background write, short enough that a dead peer is noticed; a rank
 # that dies normally breaks the gloo connection at once (the supervisor restarts the group).
 TIMEOUT = datetime.timedelta(seconds=900)

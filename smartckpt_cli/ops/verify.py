@@ -10,6 +10,12 @@ Hashing and zstd release the GIL, so the pool runs at the disk's pace rather tha
 A checkpoint a running job prunes while it is being verified is reported as such, not as corrupt:
 its blobs may be gone by the time they are read. Nothing here writes; :func:`record_results`
 (called by the CLI) appends the outcome to the journal so ``inspect`` can show it.
+
+A checkpoint written by several ranks is checked part by part: every rank's part manifest this
+directory holds (all of them on a shared ``dir``), with the blobs it references. A part written to
+another disk (node-local ``dir``s: its dir id is not this directory's) cannot be read from here;
+it is listed as elsewhere, not as damage: verify that node's directory (with the same
+``--meta-dir``) to check it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +35,7 @@ from smartckpt_cli.errors import CheckpointCorrupt, UsageError
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.checkpoints import read_manifest
-from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.directory import DIR_ID, StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 
 __all__ = ["VerifyReport", "VerifyResult", "record_results", "select", "verify", "verify_store"]
@@ -48,6 +54,8 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     bytes: int = 0  # encoded bytes this checkpoint references
     note: str | None = None  # e.g. pruned by the running job while being verified
+    ranks_checked: list[int] = field(default_factory=list)  # parts checked (several ranks)
+    ranks_elsewhere: list[int] = field(default_factory=list)  # parts on another disk: not here
 
 
 @dataclass
@@ -190,27 +198,30 @@ def verify(
     results = [VerifyResult(r.step, r.id, True) for r in chosen]
     users: dict[_Task, list[tuple[int, str, str]]] = {}  # task -> (result index, tier, key)
     sizes: dict[_Task, int] = {}
+    here = _dir_id(store)
     for i, rec in enumerate(chosen):
-        try:
-            manifest = read_manifest(store.storage, rec, state.store_id)
-        except CheckpointCorrupt as err:
-            results[i].problems.append(str(err).removeprefix(f"step {rec.step}: "))
-            continue
-        except OSError as err:
-            results[i].problems.append(f"manifest {rec.manifest} is unreadable: {err.strerror}")
-            continue
-        entries = manifest.get("entries")
-        if not isinstance(entries, dict):
-            results[i].problems.append(f"manifest {rec.manifest} has no entries")
-            continue
-        for key, entry in entries.items():
-            tasks, problems = _entry_tasks(key, entry)
-            tier = entry.get("tier", "?") if isinstance(entry, dict) else "?"
-            results[i].problems.extend(f"{tier} {p}" for p in problems)
-            for task, enc_len in tasks:
-                results[i].bytes += enc_len
-                users.setdefault(task, []).append((i, str(tier), key))
-                sizes[task] = enc_len
+        for rank, part in _parts(store, rec, here, results[i]):
+            prefix = "" if rank is None else f"rank {rank}: "
+            try:
+                manifest = read_manifest(store.storage, part, state.store_id)
+            except CheckpointCorrupt as err:
+                results[i].problems.append(prefix + str(err).removeprefix(f"step {rec.step}: "))
+                continue
+            except OSError as err:
+                results[i].problems.append(f"{prefix}manifest {part.manifest} is unreadable: {err.strerror}")
+                continue
+            entries = manifest.get("entries")
+            if not isinstance(entries, dict):
+                results[i].problems.append(f"{prefix}manifest {part.manifest} has no entries")
+                continue
+            for key, entry in entries.items():
+                tasks, problems = _entry_tasks(key, entry)
+                tier = entry.get("tier", "?") if isinstance(entry, dict) else "?"
+                results[i].problems.extend(f"{prefix}{tier} {p}" for p in problems)
+                for task, enc_len in tasks:
+                    results[i].bytes += enc_len
+                    users.setdefault(task, []).append((i, f"{prefix}{tier}", key))
+                    sizes[task] = enc_len
     total = sum(sizes.values())
     done = checked = 0
     checker = _Checker(store)
@@ -241,6 +252,39 @@ def verify(
             more = len(r.problems) - len(shown)
             r.problem = "; ".join(shown) + (f"; and {more} more" if more else "")
     return VerifyReport(results, state.problems, checked, time.perf_counter() - t0)
+
+
+def _dir_id(store: StoreDir) -> str | None:
+    """This directory's disk identity (written by the first multi-rank save here), if any."""
+    try:
+        return (store.root / DIR_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _parts(
+    store: StoreDir, rec: CheckpointRecord, here: str | None, result: VerifyResult
+) -> list[tuple[int | None, CheckpointRecord]]:
+    """The manifests of ``rec`` to check from this directory: the one manifest of a
+    single-process checkpoint (rank None), else every rank's part found here. Parts written to
+    another disk go to ``result.ranks_elsewhere``; a part missing from its own disk stays in the
+    list, so that reading it reports the damage."""
+    parts = rec.event.get("parts")
+    if not isinstance(parts, list) or not parts:
+        return [(None, rec)]
+    out: list[tuple[int | None, CheckpointRecord]] = []
+    for rank, part in enumerate(parts):
+        try:
+            rel, mhash, part_dir = str(part[0]), str(part[1]), part[2]
+        except (IndexError, TypeError, KeyError):
+            result.problems.append(f"rank {rank}: the commit line's part entry is malformed: {part!r}")
+            continue
+        if part_dir != here and not store.storage.exists(rel):
+            result.ranks_elsewhere.append(rank)
+            continue
+        result.ranks_checked.append(rank)
+        out.append((rank, replace(rec, manifest=rel, manifest_hash=mhash)))
+    return out
 
 
 def _recheck_pruned(store: StoreDir, results: list[VerifyResult]) -> None:

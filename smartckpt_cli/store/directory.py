@@ -19,9 +19,12 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import JOURNAL, Journal
 from smartckpt_cli.store.storage.local import LocalStorage, file_lock
 
-__all__ = ["WRITER_LOCK", "StoreDir", "WriterLock", "open_store"]
+__all__ = ["DIR_ID", "WRITER_LOCK", "StoreDir", "WriterLock", "open_store"]
 
 WRITER_LOCK = "writer.lock"
+# The identity of the disk a directory is on, written by the first multi-rank save there: ranks
+# with the same id share blobs; a part whose id is not this directory's was written elsewhere.
+DIR_ID = "dir.id"
 
 
 class WriterLock:
