@@ -24,7 +24,14 @@ from smartckpt_cli.cli.run import _remote_cell
 from smartckpt_cli.remote.backend import open_remote
 from smartckpt_cli.remote.check import merge_status, prune_remote, read_status, remote_summary, verify_remote
 from smartckpt_cli.remote.fetch import manifest_blob_ids
-from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
+from smartckpt_cli.remote.parts import (
+    PARTS_DIR,
+    marker_name,
+    missing_markers,
+    part_cid,
+    status_name,
+    still_pending,
+)
 from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.store.directory import open_store
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
@@ -69,6 +76,20 @@ def test_a_step_needs_every_ranks_marker():
     assert missing_markers(rec, {marker_name(10, "abc", 0), marker_name(10, "abc", 1)}) == []
     assert marker_name(10, "abc", 1) != marker_name(10, "abc", 0)  # no two writers collide
     assert status_name(0) == "remote-status.json" and status_name(1) == "remote-status-r1.json"
+
+
+def test_parts_that_can_still_be_committed_and_the_abandoned_rest():
+    # local journal: 5 (on the remote), 10 (never completed), 15 (on the remote), 20 (uploading)
+    local = [_rec(5, "a5", 2), _rec(10, "a10", 2), _rec(15, "a15", 2), _rec(20, "a20", 2)]
+    local = [CheckpointRecord(r.step, r.id, r.manifest, "h0", i, event=r.event) for i, r in enumerate(local)]
+    remote_ids = {"a5", "a15", "old"}  # "old": committed once, pruned since
+    assert still_pending(local, remote_ids, {"a15"}) == {"a20"}  # a10 was passed by a15
+    assert still_pending(local, {"a5"}, {"a5"}) == {"a10", "a15", "a20"}
+    assert still_pending(local, set(), set()) == {"a5", "a10", "a15", "a20"}
+    assert part_cid("000000000010-a10-r1.json") == "a10"
+    assert part_cid(marker_name(7, "9f3e", 12)) == "9f3e"
+    assert part_cid("000000000010-a10.json") is None  # a one-process manifest
+    assert part_cid("notes.txt") is None and part_cid("000000000010-a10-rx.json") is None
 
 
 # ---------------------------------------------------------------- end to end (slow)
@@ -340,3 +361,36 @@ def test_preemption_of_one_rank_gets_every_part_up_before_exit(tmp_path, s3, env
     ]
     assert second and second[-1] > saved[0], journal
     assert [r.step for r in _remote_commits(url, env)] == saved  # the new step lacks rank 1's part
+
+
+@pytest.mark.slow
+def test_a_dead_runs_uncommitted_parts_are_collected_by_the_next_runs_retention(tmp_path, s3, moto, env_base):
+    """Rank 1's uploads fail, so only parts of steps 5 and 10 reach the remote, never committed.
+    The disks are lost; the next run (nothing to resume) commits at least 10, 15 and 20 and
+    prunes to remote_keep_last 2: its retention collects the dead run's parts too. Afterwards the
+    remote holds exactly the blobs its live checkpoints reference, and nothing of the dead run."""
+    url, bucket, _ = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_REMOTE_CLOSE_WAIT="3")
+    faults = {"SMARTCKPT_TEST_FAULTS": "1", "SMARTCKPT_FAULT": "remote.part@*", "SMARTCKPT_FAULT_RANK": "1"}
+    faults["SMARTCKPT_FAULT_MODE"] = "raise"
+    rc, out = _torchrun([*NODE_LOCAL, "--total", "10"], tmp_path, {**env, **faults})
+    assert rc == 0, out
+    dead = {part_cid(m) for m in _markers(moto.port, bucket)}
+    assert len(dead) == 2 and _remote_commits(url, env) == [], (dead, out)  # rank 0's parts only
+    _wipe(tmp_path)
+
+    env.update(SMARTCKPT_REMOTE_CLOSE_WAIT="60", SMARTCKPT_REMOTE_KEEP_LAST="2")
+    rc, out = _torchrun([*NODE_LOCAL, "--total", str(TOTAL)], tmp_path, env)
+    assert rc == 0, out
+    assert _start(out) == 0, out
+    live = _remote_commits(url, env)
+    assert [r.step for r in live] == [15, 20], live
+    objects = all_objects(moto.port, bucket)
+    left = [k for k in objects if part_cid(k.rsplit("/", 1)[-1]) in dead]
+    assert left == [], left  # no manifest and no marker of the dead run
+    referenced = set()
+    for rec in live:
+        for part in rec.event["parts"]:
+            referenced.update(manifest_blob_ids(decode_manifest(objects[f"job/{part[0]}"], part[0])))
+    stored = {k.rsplit("/", 1)[-1] for k in objects if k.startswith("job/blobs/")}
+    assert stored == referenced, (sorted(stored - referenced), sorted(referenced - stored))

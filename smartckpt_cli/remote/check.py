@@ -19,7 +19,7 @@ from typing import Any
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.remote.backend import Remote
 from smartckpt_cli.remote.fetch import manifest_blob_ids
-from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, status_name
+from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, part_cid, status_name
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, record_manifests
@@ -191,11 +191,16 @@ def remove_unreferenced(
     manifests: dict[str, dict[str, Any]],
     *,
     keep_pending: bool = False,
+    pending_ids: set[str] | None = None,
 ) -> int:
     """Remove manifests (every rank's part) and part markers of pruned checkpoints, and blobs no
     kept checkpoint references on any rank. Returns the blobs removed. ``manifests`` caches parsed
     remote manifests (they never change). ``keep_pending`` (several ranks): a part manifest no
     commit names yet belongs to a step still waiting for another rank's part; its blobs are kept.
+    ``pending_ids`` (rank 0's uploader, which knows the local journal): only the uncommitted parts
+    of these checkpoints are kept; every other uncommitted part is abandoned, and its manifest,
+    its markers and the blobs only it references are removed. Without it (``prune --remote``,
+    which cannot tell a running upload from a dead one) every uncommitted part is kept.
     Callers hold remote.lock exclusively, so no rank is between its dedup decision and its
     manifest."""
 
@@ -214,10 +219,25 @@ def remove_unreferenced(
         referenced.update(blobs_of(rel))
     if keep_pending:
         named = kept_manifests | {m for r in state.records for m in _manifests_of(r)}
+        abandoned: set[str] = set()
         for name in remote.list("manifests"):
             rel = f"manifests/{name}"
-            if rel not in named and name.endswith(".json"):
-                referenced.update(blobs_of(rel))
+            if rel in named or not name.endswith(".json"):
+                continue
+            cid = part_cid(name)
+            if pending_ids is not None and cid is not None and cid not in pending_ids:
+                abandoned.add(cid)
+                remote.remove(rel)  # before its blobs: a manifest never names a missing blob
+                manifests.pop(rel, None)
+                continue
+            referenced.update(blobs_of(rel))
+        if abandoned:
+            for name in remote.list(PARTS_DIR):
+                if part_cid(name) in abandoned:
+                    remote.remove(f"{PARTS_DIR}/{name}")
+            logger.info(
+                "remote: collected the uncommitted parts of %d abandoned checkpoint(s)", len(abandoned)
+            )
     for rec in state.records:
         if not rec.pruned:
             continue

@@ -10,6 +10,10 @@ rank's, an earlier step's) is not sent again.
 
 Commits stay in journal order: a step is committed remotely only when no step after it (in the
 local journal) is committed remotely yet; an older step whose part never made it is abandoned.
+Rank 0's retention collects the parts (manifests, markers, blobs) of abandoned steps: every
+uncommitted part except those of local checkpoints that can still be committed
+(:func:`still_pending`); a part of a previous run's journal (a restart onto wiped disks) is
+abandoned too.
 
 This module is pure: names and decisions, no I/O.
 """
@@ -27,8 +31,10 @@ __all__ = [
     "marker_body",
     "marker_name",
     "missing_markers",
+    "part_cid",
     "record_parts",
     "status_name",
+    "still_pending",
 ]
 
 PARTS_DIR = "parts"
@@ -62,6 +68,25 @@ def abandoned_before(local: list[CheckpointRecord], remote_live: set[str]) -> in
     """The local journal position of the newest checkpoint the remote holds (-1: none). Local
     checkpoints at or before it that the remote lacks are never committed there any more."""
     return max((r.position for r in local if r.id in remote_live), default=-1)
+
+
+def still_pending(local: list[CheckpointRecord], remote_ids: set[str], remote_live: set[str]) -> set[str]:
+    """The ids of local checkpoints whose parts may still be uploaded and committed: after the
+    newest one the remote holds, and not on the remote (``remote_ids``: committed ever, pruned
+    ones included). Every other uncommitted part on the remote is abandoned."""
+    newest = abandoned_before(local, remote_live)
+    return {r.id for r in local if r.position > newest and r.id not in remote_ids}
+
+
+def part_cid(name: str) -> str | None:
+    """The checkpoint id in a part manifest's or marker's file name (``<step>-<id>-r<rank>.json``),
+    None for any other name."""
+    stem, dot, ext = name.rpartition(".")
+    head, sep, rank = stem.rpartition("-r")
+    step, dash, cid = head.partition("-")
+    if not (dot and ext == "json" and sep and dash and rank.isdigit() and step.isdigit() and cid):
+        return None
+    return cid
 
 
 def status_name(rank: int) -> str:

@@ -38,6 +38,7 @@ from smartckpt_cli.remote.backend import Limiter, Remote, display_url
 from smartckpt_cli.remote.check import REMOTE_LOCK, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.part_round import round_parts
+from smartckpt_cli.remote.parts import still_pending
 from smartckpt_cli.remote.plan import (
     LocalBlobGone,
     RemoteMismatch,
@@ -372,10 +373,18 @@ class Replicator:
             self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
         assert self._known_blobs is not None
         known = self._known_blobs
+        # Several ranks: the parts that can still be committed are those of local checkpoints
+        # after the newest remote one; the rest (a killed upload, a previous run's) are collected.
+        # Only here, with a prune event just written: it makes every rank relist the blobs.
+        pending = None
+        if self.world > 1:
+            pending = still_pending(
+                self.store.journal.read().records, {r.id for r in rstate.records}, rstate.live_ids()
+            )
         self._retry(
             "garbage collection",
             lambda: remove_unreferenced(
-                self.remote, rstate, known, self._manifests, keep_pending=self.world > 1
+                self.remote, rstate, known, self._manifests, keep_pending=self.world > 1, pending_ids=pending
             ),
         )
 
