@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 
 import torch
 from torch import nn
@@ -153,6 +154,30 @@ def test_a_precursor_save_holds_the_previous_step_and_resumes_bit_exactly(tmp_pa
     resumed = _train(model, opt, loader, JOLT, 40)
     assert resumed == {s: reference[s] for s in range(JOLT, 41)}
     assert all(torch.equal(model.state_dict()[k], v) for k, v in final.items())
+
+
+def _trace_steps(path) -> list[int]:
+    (trace,) = (path / "traces").glob("*.csv")
+    return [int(line.split(",", 1)[0]) for line in trace.read_text().splitlines()[1:]]
+
+
+def test_after_a_restore_the_evaluations_name_the_steps_that_follow_it(tmp_path):
+    """The optimizer pre-hook evaluates step N + 1 before its update; after a restore of step N
+    it must be N + 1, not the count of steps this process ran (a trace row "1" was written)."""
+    model, opt, loader = _setup()
+    with _manager(tmp_path) as mgr:
+        mgr.register(model=model, optimizer=opt, data=loader)
+        _train(model, opt, loader, 1, 12, mgr)
+        mgr.save(12, blocking=True)
+    assert _trace_steps(tmp_path) == list(range(1, 13))
+    shutil.rmtree(tmp_path / "traces")
+
+    model, opt, loader = _setup()
+    with _manager(tmp_path) as mgr:
+        mgr.register(model=model, optimizer=opt, data=loader)
+        assert mgr.restore() == 12
+        _train(model, opt, loader, 13, 20, mgr)
+    assert _trace_steps(tmp_path) == list(range(13, 21))
 
 
 def test_a_buffer_forward_changed_moves_the_save_to_the_step_boundary(tmp_path):

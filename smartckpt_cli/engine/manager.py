@@ -318,6 +318,10 @@ class CheckpointManager(StepPath, SavePath):
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest
             self._committed = self._scheduled = (loaded.record.step, time.monotonic())
+            # The loop goes on from here: the optimizer pre-hook of the next step reads (and a
+            # trace row names) step + 1, and the gradient hooks are armed for that step.
+            self._last_step = int(loaded.record.step)
+            self._signals.arm(self._signals.due(self._last_step + 1))
             self._quiet, self._prepare = (-math.inf, -math.inf), True
             self._clock.skip()
             self._uncalm()
