@@ -227,6 +227,9 @@ def test_a_killed_and_jolted_run_plots_what_its_journal_and_run_record_say(tmp_p
     )
     assert len(data["segments"]) == 2  # two processes, a line break between them
     assert data["series"]["loss"]["step"].count(None) == 1
+    # the trace's raw_loss column: the unfiltered loss drawn under the filtered one, as traced
+    assert data["series"]["loss_raw"]["step"] == data["series"]["loss"]["step"]
+    assert data["series"]["loss_raw"]["value"] != data["series"]["loss"]["value"]
 
     # the figure object shows the same markers and spans
     from smartckpt_cli.figures.timeline import draw_timeline

@@ -255,9 +255,9 @@ def test_memory_climbing_to_the_cgroup_limit_saves_before_the_oom_kill(tmp_path,
     # the trace (flushed at each save) recorded the memory signal, climbing, and the save it made
     (trace,) = (store / "traces").glob("*.csv")
     rows = [ln.split(",") for ln in trace.read_text().splitlines()]
-    col = rows[0].index("memory")
+    col, decision = rows[0].index("memory"), rows[0].index("decision")
     memory = {int(r[0]): float(r[col]) for r in rows[1:]}
-    assert rows[-1][-1] == "memory pressure" and int(rows[-1][0]) == newest["step"]
+    assert rows[-1][decision] == "memory pressure" and int(rows[-1][0]) == newest["step"]
     assert memory[newest["step"]] > memory[LEAK_FROM] + 0.1, memory
 
     # A fresh run (no cgroup, no leak) resumes from that checkpoint and trains bit-exactly on.

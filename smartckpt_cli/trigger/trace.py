@@ -3,8 +3,11 @@
 Columns: step, time (UTC seconds), loss (median-filtered), curvature, grad_var, update (the norm
 of the optimizer update planned at that step, planned.py), memory (the fraction in use of the
 tightest memory ceiling, memory.py; empty where none is known), score, decision (empty, or the
-reason of the save it triggered; a save "precursor: ..." holds the state of the step before).
-``smartckpt simulate`` replays these files (older ones, without ``update`` or ``memory``, too).
+reason of the save it triggered; a save "precursor: ..." holds the state of the step before),
+raw_loss (the newest loss of the evaluation's window, unfiltered: what ``smartckpt plot`` draws
+thin under the filtered one; last, so that readers by position keep working).
+``smartckpt simulate`` replays these files (older ones, without ``update``, ``memory`` or
+``raw_loss``, too).
 Lines are buffered and appended at each save and at close: a crash loses at most the lines since
 the last save, never the file's earlier content.
 """
@@ -19,7 +22,18 @@ from smartckpt_cli.trigger.reading import SignalReading
 
 __all__ = ["COLUMNS", "TraceWriter"]
 
-COLUMNS = ("step", "time", "loss", "curvature", "grad_var", "update", "memory", "score", "decision")
+COLUMNS = (
+    "step",
+    "time",
+    "loss",
+    "curvature",
+    "grad_var",
+    "update",
+    "memory",
+    "score",
+    "decision",
+    "raw_loss",
+)
 
 
 def _num(x: float | None) -> str:
@@ -45,6 +59,7 @@ class TraceWriter:
                     _num(reading.memory),
                     _num(score),
                     decision.replace(",", ";"),
+                    _num(reading.raw_loss),
                 ]
             )
         )
