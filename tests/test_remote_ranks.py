@@ -394,3 +394,43 @@ def test_a_dead_runs_uncommitted_parts_are_collected_by_the_next_runs_retention(
             referenced.update(manifest_blob_ids(decode_manifest(objects[f"job/{part[0]}"], part[0])))
     stored = {k.rsplit("/", 1)[-1] for k in objects if k.startswith("job/blobs/")}
     assert stored == referenced, (sorted(stored - referenced), sorted(referenced - stored))
+
+
+@pytest.mark.slow
+def test_zero_code_under_smartckpt_run_and_torchrun_ships_every_part_and_resumes_from_the_remote(
+    tmp_path, s3, env_base, reference
+):
+    """`smartckpt run -- torchrun` with no CheckpointManager in the script and the remote set in
+    the environment: rank 1 is SIGKILLed at step 13, the supervisor restarts the job, it ends
+    bit-exact; every remote commit has both ranks' parts and verifies. With the local store lost,
+    a new run resumes from the remote's newest step."""
+    url, _, _ = s3
+    env = _remote_env(env_base, s3, SMARTCKPT_RESTART_BACKOFF="0.1")
+    run = [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "5", "--"]
+    train = [*TORCHRUN[:-1], "2", str(SCRIPT), "--zero-code", "--total", str(TOTAL), "--out", "run"]
+    proc = subprocess.run(
+        [*run, *train, "--kill-at", "13", "--kill-rank", "1", "--step-time", "0.05"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    starts = re.findall(r"rank (\d) start (\d+)", out)
+    assert sorted(starts[:2]) == [("0", "0"), ("1", "0")], out[-4000:]
+    restarted = {int(s) for _, s in starts[2:]}  # both ranks from one committed step
+    assert len(starts) == 4 and len(restarted) == 1 and restarted <= {5, 10}, out[-4000:]
+    assert_same_state(torch.load(tmp_path / "run.r0", weights_only=True), reference[0])
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
+    commits = _remote_commits(url, env)
+    assert commits and commits[-1].step == TOTAL, [r.step for r in commits]  # the final save too
+    assert all(len(r.event["parts"]) == 2 and r.event["world_size"] == 2 for r in commits)
+    with _aws(env):
+        remote = open_remote(url)
+        checks = verify_remote(remote, RemoteJournal(remote).read(), all_checkpoints=True)
+    assert checks and all(c.ok for c in checks), checks
+
+    shutil.rmtree(tmp_path / "ck")
+    proc = subprocess.run([*run, *train], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert f"rank 0 start {TOTAL}" in out and f"rank 1 start {TOTAL}" in out, out[-4000:]
+    assert_same_state(torch.load(tmp_path / "run.r1", weights_only=True), reference[1])
