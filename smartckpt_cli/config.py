@@ -20,7 +20,7 @@ import yaml
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.state.tiers import PRECISIONS, TierRule, parse_rules
 
-__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings", "parse_every"]
+__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings", "parse_every", "public_settings"]
 
 CONFIG_FILE = "smartckpt.yaml"
 ENV_PREFIX = "SMARTCKPT_"
@@ -270,3 +270,25 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
             raise ValueError("a duration must be positive")
         return None, sec
     raise ValueError(f"expected steps (50) or a duration (30s, 5m, 1h), not {text!r}")
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def public_settings(settings: Settings) -> dict[str, Any]:
+    """Every setting as a JSON-ready value, in declaration order, with a remote URL shown without
+    its credentials: what ``config show`` prints and a run record keeps."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if f.name == "remote" and value:  # a URL may carry credentials: never write them
+            from smartckpt_cli.remote.backend import display_url
+
+            value = display_url(value)
+        out[f.name] = _plain(value)
+    return out

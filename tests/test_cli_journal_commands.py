@@ -342,6 +342,23 @@ def test_config_show_sources_and_precedence(tmp_path: Path, monkeypatch: pytest.
     assert "env SMARTCKPT_PRECISION" in table and "keep_last" in table
 
 
+def test_config_show_and_run_records_never_hold_remote_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from smartckpt_cli.config import load_settings, public_settings
+
+    for name in [n for n in os.environ if n.startswith("SMARTCKPT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SMARTCKPT_REMOTE", "s3://AKIA:verysecret@bucket/run?token=tok3n&region=eu")
+    shown = _json(["config", "show", "--json"])["settings"]["remote"]["value"]
+    recorded = public_settings(load_settings(None)[0])  # what a run record keeps
+    assert shown == recorded["remote"] and shown.startswith("s3://bucket/run"), shown
+    assert "region=eu" in shown
+    text = json.dumps(recorded)
+    assert "verysecret" not in text and "tok3n" not in text and "AKIA" not in text
+
+
 @pytest.mark.parametrize(
     ("setup", "args", "words"),
     [

@@ -191,6 +191,9 @@ def test_a_killed_and_jolted_run_plots_what_its_journal_and_run_record_say(tmp_p
     record = json.loads(record_path.read_text())
     killed = record["attempts"][0]
     assert killed["cause"] == "killed by SIGKILL" and killed["max_step"] == 50
+    # the settings the run ran with, as its environment set them
+    ran = record["settings"]
+    assert (ran["eval_every"], ran["max_interval"], ran["keep_last"], ran["dir"]) == (1, 1.0, 2, "ck"), ran
 
     res = _smartckpt(["plot", "ck", "--json", "--x", "step", "--points", "0"], env, tmp_path)
     assert res.returncode == 0, res.stderr

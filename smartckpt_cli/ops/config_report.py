@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from smartckpt_cli.config import CONFIG_FILE, Settings, load_settings
+from smartckpt_cli.config import CONFIG_FILE, Settings, load_settings, public_settings
 from smartckpt_cli.errors import ConfigError
 
 __all__ = ["SettingRow", "effective_settings", "parse_assignments"]
@@ -52,14 +52,6 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {k: v for k, v in dataclasses.asdict(value).items() if v is not None}
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def effective_settings(
     config_file: str | os.PathLike[str] | None,
     overrides: dict[str, Any] | None = None,
@@ -70,14 +62,7 @@ def effective_settings(
     settings, sources = load_settings(config_file, overrides, env=env)
     path = Path(config_file) if config_file else Path(CONFIG_FILE)
     rows = []
-    for f in dataclasses.fields(Settings):
-        source = sources.get(f.name, "default")
-        if source == "argument":
-            source = "flag"
-        value = getattr(settings, f.name)
-        if f.name == "remote" and value:  # a URL may carry credentials: never print them
-            from smartckpt_cli.remote.backend import display_url
-
-            value = display_url(value)
-        rows.append(SettingRow(f.name, _plain(value), source))
+    for key, value in public_settings(settings).items():
+        source = sources.get(key, "default")
+        rows.append(SettingRow(key, value, "flag" if source == "argument" else source))
     return rows, str(path) if path.is_file() else None

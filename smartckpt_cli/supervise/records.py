@@ -1,6 +1,6 @@
 """Run records of ``smartckpt run``: ``<dir>/runs/<run-id>.json``, and what is learned from them.
 
-One record per run: the command, every attempt (start and end time, steps reached, how it
+One record per run: the command, the settings it ran with (no credentials), every attempt (start and end time, steps reached, how it
 ended, the checkpoint the next attempt restarts from, steps and seconds lost), checkpoints
 taken, rollbacks and the outcome. The record is rewritten whole (tmp + rename) after every
 attempt, so a supervisor killed mid-run still leaves the attempts so far.
@@ -89,6 +89,7 @@ class RunRecord:
     diagnosis: str = ""
     checkpoints_taken: int = 0
     mtbf: float | None = None  # what was handed to the child
+    settings: dict[str, Any] = field(default_factory=dict)  # config.public_settings at the start
     version: int = RECORD_VERSION
 
     @property

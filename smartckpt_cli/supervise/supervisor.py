@@ -33,6 +33,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from smartckpt_cli.config import public_settings
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.supervise.child import RunDir, child_env, hooks_dir, interpreter_flags_warning
 from smartckpt_cli.supervise.forward import Forwarder, killpg
@@ -75,6 +76,7 @@ class Supervisor:
         self.run_dir = self.dir / RUNS_DIR / self.run_id
         self.store = StoreView(self.dir, self.s.meta_dir)
         self.record = RunRecord(self.run_id, list(options.command), str(self.dir), time.time())
+        self.record.settings = public_settings(self.s)
         self.state = RunState(run_id=self.run_id, command=" ".join(options.command))
         self.gpu = GpuMonitor()
         self.crash = CrashLoop(limit=self.s.crash_loop)
