@@ -157,11 +157,13 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_parts_and_cleans_up(tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 128 + signal.SIGTERM
+    err = proc.stderr.read()[-3000:] if proc.stderr else ""
+    assert rc == 128 + signal.SIGTERM, err
     res = json.loads(out.read_text())
-    assert res["parts_done"] == ["first-save"] and res["complete"] is False
+    assert res["parts_done"] == ["first-save"] and res["complete"] is False, (res["parts_done"], err)
     assert res["samples"]["smartckpt.first_lazy_loop_wait"][0] > 0
-    assert list(work.iterdir()) == [], "the bench left files in its work directory"
+    left = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+    assert left == [], f"the bench left files in its work directory: {left[:20]} {err}"
     assert not out.with_name(out.name + ".tmp").exists()
 
 

@@ -195,9 +195,15 @@ def test_a_killed_and_jolted_run_plots_what_its_journal_and_run_record_say(tmp_p
     ran = record["settings"]
     assert (ran["eval_every"], ran["max_interval"], ran["keep_last"], ran["dir"]) == (1, 1.0, 2, "ck"), ran
 
-    res = _smartckpt(["plot", "ck", "--json", "--x", "step", "--points", "0"], env, tmp_path)
+    # the budget line is the run's own max_interval (its record), whatever the shell now says
+    res = _smartckpt(
+        ["plot", "ck", "--json", "--x", "step", "--points", "0"],
+        {**env, "SMARTCKPT_MAX_INTERVAL": "99"},
+        tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
+    assert data["max_interval"] == 1.0
 
     # every commit of the journal, in order, with its reason, health, calm flag and fate
     journal = _journal(store)

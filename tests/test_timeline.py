@@ -112,6 +112,12 @@ def test_checkpoints_go_to_the_process_that_took_them_across_a_restart():
     # a step below the previous one in the same file belongs to a later file
     placed = place([(12, ""), (11, "")], [first, second])
     assert [p.track for p in placed] == [0, 1]
+    # the checkpoint a restart resumed from is the earlier process's, even where that process's
+    # last flushed row came before it (sparse evaluations) and the new one's first row is just after
+    sparse = _track(range(2, 9, 2), 100.0)  # rows 2..8, killed after the budget save of 10
+    resumed = _track(range(11, 31), 200.0)
+    (budget, later) = place([(10, "lost-work budget"), (20, "interval 5s")], [sparse, resumed])
+    assert (budget.track, later.track) == (0, 1) and budget.time == pytest.approx(108.0), budget
     # a precursor save holds the step before its row; a final save may follow the last row
     t = _track(range(10, 101, 10), 0.0, dt=0.5, decisions={50: "precursor: planned update"})
     (pre, fin) = place([(49, "precursor: planned update"), (104, "final")], [t])
@@ -256,3 +262,15 @@ def test_reason_categories_and_failure_labels():
     assert [restart_label(c, "") for c in ("oom", "hang", "preempted", "gpu", "failed")] == [
         "OOM", "hang", "preemption", "GPU", "error"
     ]  # fmt: skip
+
+
+def test_the_settings_a_run_recorded_are_those_of_the_run_asked_for_else_the_newest():
+    from smartckpt_cli.timeline import recorded_settings
+
+    old = {"run_id": "a", "started": 1.0, "settings": {"max_interval": 60.0}}
+    new = {"run_id": "b", "started": 2.0, "settings": {"max_interval": 8.0}}
+    bare = {"run_id": "c", "started": 3.0}  # a record from before records kept settings
+    assert recorded_settings([old, new, bare], None) == {"max_interval": 8.0}
+    assert recorded_settings([old, new, bare], "a") == {"max_interval": 60.0}
+    assert recorded_settings([old, new, bare], "c") is None
+    assert recorded_settings([], None) is None

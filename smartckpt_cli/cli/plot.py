@@ -6,7 +6,7 @@ import json
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -57,7 +57,7 @@ def plot(
         typer.Option(
             "--config",
             envvar="SMARTCKPT_CONFIG",
-            help="Settings file the run used, for max_interval, policy, threshold (default ./smartckpt.yaml).",
+            help="Settings file the run used, for max_interval, policy, threshold (default: those its run record kept, else ./smartckpt.yaml).",
         ),
     ] = None,
     max_interval: Annotated[
@@ -96,7 +96,7 @@ def plot(
          matplotlib missing
     """
     from smartckpt_cli.config import load_settings
-    from smartckpt_cli.timeline import PlotOptions, build_timeline, load_store, parse_steps
+    from smartckpt_cli.timeline import PlotOptions, build_timeline, load_store, parse_steps, recorded_settings
 
     draw = output is not None or not as_json
     target = output if output is not None else Path("run.png")
@@ -106,21 +106,28 @@ def plot(
         check_output(target)
         matplotlib()  # fail now, in one line, not after reading a week of traces
     span = parse_steps(steps) if steps is not None else None
-    # The run's settings, for the budget line and the score's threshold; --max-interval is only
-    # the line drawn, so it is not validated against the other settings.
+    started = time.monotonic()
+    facts = load_store(directory, meta_dir)
+    # The run's settings, for the budget line and the score's threshold: those its run record
+    # kept, unless --config names a file; else the settings here (file, environment).
+    # --max-interval is only the line drawn, so it is not validated against the other settings.
     settings, _ = load_settings(config)
-    policy = "fixed" if settings.every_steps or settings.every_seconds else settings.policy
+    ran = (recorded_settings(facts.runs, run) if config is None else None) or {}
+
+    def setting(key: str) -> Any:
+        return ran[key] if key in ran else getattr(settings, key)
+
+    every = setting("every_steps") or setting("every_seconds")
     opts = PlotOptions(
         axis=x.value,
         steps=span,
         run_id=run,
         bins=points,
-        max_interval=settings.max_interval if max_interval is None else max_interval,
-        policy=policy,
-        threshold=settings.threshold,
+        max_interval=float(setting("max_interval") if max_interval is None else max_interval),
+        policy="fixed" if every else str(setting("policy")),
+        threshold=float(setting("threshold")),
     )
-    started = time.monotonic()
-    timeline = build_timeline(load_store(directory, meta_dir), opts)
+    timeline = build_timeline(facts, opts)
     if as_json:
         typer.echo(json.dumps(timeline.to_json()))
     if not draw:

@@ -21,7 +21,13 @@ failure labels), :mod:`.decimate` (min/max per pixel column), :mod:`.build` (all
 :class:`~.model.Timeline`), :mod:`.load` (the reading, the only I/O).
 """
 
-from smartckpt_cli.timeline.build import PlotOptions, StoreFacts, build_timeline, parse_steps
+from smartckpt_cli.timeline.build import (
+    PlotOptions,
+    StoreFacts,
+    build_timeline,
+    parse_steps,
+    recorded_settings,
+)
 from smartckpt_cli.timeline.decimate import minmax
 from smartckpt_cli.timeline.kinds import CATEGORIES, reason_category, restart_label
 from smartckpt_cli.timeline.load import load_store
@@ -55,5 +61,6 @@ __all__ = [
     "parse_table",
     "read_table",
     "reason_category",
+    "recorded_settings",
     "restart_label",
 ]

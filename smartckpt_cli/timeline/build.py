@@ -35,7 +35,7 @@ from smartckpt_cli.timeline.series import add_series, data_range
 from smartckpt_cli.timeline.tracetable import TraceTable
 from smartckpt_cli.timeline.tracks import Drawn, drawn_tracks, median_filter, unsaved_work
 
-__all__ = ["PlotOptions", "StoreFacts", "build_timeline", "parse_steps"]
+__all__ = ["PlotOptions", "StoreFacts", "build_timeline", "parse_steps", "recorded_settings"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,16 @@ def _thresholds(policy: str, threshold: float) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- runs
+
+
+def recorded_settings(runs: Sequence[dict[str, Any]], run_id: str | None) -> dict[str, Any] | None:
+    """The settings a run started with, from its run record: the run ``run_id``, else the newest
+    run that recorded them; None when no record has them (records written before they did)."""
+    chosen = [r for r in runs if run_id is None or r.get("run_id") == run_id]
+    with_settings = [r for r in chosen if isinstance(r.get("settings"), dict) and r["settings"]]
+    if not with_settings:
+        return None
+    return dict(max(with_settings, key=lambda r: r.get("started") or 0)["settings"])
 
 
 def _select_run(runs: Sequence[dict[str, Any]], run_id: str | None, store: str) -> dict[str, Any] | None:

@@ -10,8 +10,10 @@ over the trace files, in time order:
 
 - a process's steps only grow: a checkpoint whose step is below the previous one placed in the
   current file belongs to a later file (a restart went back to an older checkpoint);
-- a file *covers* S when S lies within its rows' steps, from one below its first (a precursor
-  save holds the step before its row); a final or preemption save may lie after the last row
+- a file *covers* S when S lies within its rows' steps (for a precursor save from one below its
+  first: it holds the step before its row; for any other save not so, since a restarted process's
+  first row is the step after the checkpoint it resumed from, which belongs to the process before
+  it, whose last flushed row may come a little earlier); a final or preemption save may lie after the last row
   (traces are written every ``eval_every`` steps), so for those the current file's span is
   widened by one evaluation gap first, for the others only after no file covers S strictly;
 - a trace row whose ``decision`` is the checkpoint's reason, at S (or at S + 1 for a precursor),
@@ -49,8 +51,8 @@ class Track:
         gap = float(np.median(d)) if len(d) else 1.0
         return cls(steps, times, decisions, max(gap, 1.0))
 
-    def covers(self, step: int, slack: float) -> bool:
-        return bool(self.steps[0] - 1 - slack <= step <= self.steps[-1] + slack)
+    def covers(self, step: int, slack: float, before: int = 0) -> bool:
+        return bool(self.steps[0] - before - slack <= step <= self.steps[-1] + slack)
 
     def time_at(self, step: float) -> float:
         s, t = self.steps, self.times
@@ -84,8 +86,9 @@ def _pick(
     later = range(cur + 1, len(tracks))
     here = [cur] if cur < len(tracks) and (prev is None or step >= prev) else []
     order = here + list(later)
-    strict = [j for j in order if tracks[j].covers(step, 0)]
-    loose = [j for j in order if tracks[j].covers(step, tracks[j].gap)]
+    before = 1 if reason.startswith("precursor") else 0
+    strict = [j for j in order if tracks[j].covers(step, 0, before)]
+    loose = [j for j in order if tracks[j].covers(step, tracks[j].gap, before)]
     if utc is not None and loose:
         return min(loose, key=lambda j: abs(tracks[j].time_at(step) - utc))
     pinned = [j for j in loose if tracks[j].pins(step, reason)]
