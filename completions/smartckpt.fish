@@ -58,7 +58,7 @@ complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l points -x -d 'Pix
 complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l dpi -x -d 'PNG resolution: pixels per inch of a 12-inch-wide figure.'
 complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l json -d 'Print the series, markers and spans as JSON (no matplotlib needed).'
 complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l meta-dir -r -d 'Where the journal lives, when the run put it apart from the blobs (meta_dir).'
-complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l config -r -d 'Settings file the run used, for max_interval, policy, threshold (default...'
+complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l config -r -d 'Settings file the run used, for max_interval, policy, threshold (default:...'
 complete -c smartckpt -n '__fish_seen_subcommand_from plot' -l max-interval -x -d 'The lost-work budget line, s (default: the settings\').'
 complete -c smartckpt -n '__fish_seen_subcommand_from plot' -s h -l help -d 'Show this message and exit.'
 complete -c smartckpt -f -n '__fish_seen_subcommand_from completions' -a 'bash zsh fish'

@@ -119,7 +119,7 @@ _smartckpt_plot() {
     '--dpi[PNG resolution - pixels per inch of a 12-inch-wide figure.]:dpi: ' \
     '--json[Print the series, markers and spans as JSON (no matplotlib needed).]' \
     '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
-    '--config[Settings file the run used, for max_interval, policy, threshold (default...]:config:_files' \
+    '--config[Settings file the run used, for max_interval, policy, threshold (default -...]:config:_files' \
     '--max-interval[The lost-work budget line, s (default - the settings'\'').]:max-interval: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     ':directory:_files'
