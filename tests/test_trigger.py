@@ -285,10 +285,12 @@ def test_trace_and_manifest_record_the_signals(tmp_path):
             mgr.step(step, loss=loss)
     (trace,) = (tmp_path / "traces").iterdir()
     lines = trace.read_text().splitlines()
-    assert lines[0] == "step,time,loss,curvature,grad_var,update,memory,score,decision"
-    assert [int(ln.split(",")[0]) for ln in lines[1:]] == list(range(5, 41, 5))
-    assert all(float(ln.split(",")[4]) > 0 for ln in lines[1:])  # gradient variance measured
-    assert all(float(ln.split(",")[5]) > 0 for ln in lines[1:])  # and the planned update
-    assert lines[4].endswith("every 20 steps") and lines[8].endswith("every 20 steps")
+    assert lines[0] == "step,time,loss,curvature,grad_var,update,memory,score,decision,raw_loss"
+    rows = [ln.split(",") for ln in lines[1:]]
+    assert [int(r[0]) for r in rows] == list(range(5, 41, 5))
+    assert all(float(r[4]) > 0 for r in rows)  # gradient variance measured
+    assert all(float(r[5]) > 0 for r in rows)  # and the planned update
+    assert all(float(r[9]) > 0 for r in rows)  # and the raw loss (a square: positive)
+    assert rows[3][8] == "every 20 steps" and rows[7][8] == "every 20 steps"
     manifest = sorted((tmp_path / "manifests").iterdir())[-1].read_text()
     assert '"signals":{"curvature"' in manifest and '"step":40' in manifest
