@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -185,39 +186,56 @@ def _sched_step(sched: Any, loss: float) -> None:
 # ---------------------------------------------------------------- comparison
 
 
-def _assert_equal(a: Any, b: Any, path: str) -> None:
-    """Bitwise equality of nested state (tensors by bytes and dtype; floats by value or both NaN)."""
+def _differences(a: Any, b: Any, path: str) -> list[str]:
+    """Where nested state ``a`` is not bitwise ``b`` (tensors by bytes, dtype and shape; floats by
+    value or both NaN), one line per place; empty when equal."""
     if isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor), f"{path}: not a tensor after restore"
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        )
+        if not isinstance(a, torch.Tensor):
+            return [f"{path}: not a tensor"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
         if b.is_sparse:
             a, b = a.to_dense(), b.to_dense()
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
-            f"{path}: bytes differ"
-        )
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and set(a) == set(b), (
-            f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        )
-        for k in b:
-            _assert_equal(a[k], b[k], f"{path}/{k}")
-    elif isinstance(b, list | tuple):
-        assert isinstance(a, list | tuple) and len(a) == len(b), f"{path}: length differs"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{path}/{i}")
-    elif isinstance(b, float) and math.isnan(b):
-        assert isinstance(a, float) and math.isnan(a), f"{path}: {a!r} vs nan"
-    else:
-        assert a == b, f"{path}: {a!r} vs {b!r}"
+        same = torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        return [] if same else [f"{path}: bytes differ"]
+    if isinstance(b, dict):
+        if not isinstance(a, dict) or set(a) != set(b):
+            keys = sorted(map(str, a)) if isinstance(a, dict) else type(a).__name__
+            return [f"{path}: keys {keys} vs {sorted(map(str, b))}"]
+        return [d for k in b for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(b, list | tuple):
+        if not isinstance(a, list | tuple) or len(a) != len(b):
+            return [f"{path}: length differs"]
+        return [
+            d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{path}/{i}")
+        ]
+    if isinstance(b, float) and math.isnan(b):
+        return [] if isinstance(a, float) and math.isnan(a) else [f"{path}: {a!r} vs nan"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+def _states(objs: dict[str, Any]) -> dict[str, Any]:
+    return {name: copy.deepcopy(o.state_dict()) for name, o in objs.items()}
+
+
+@dataclass
+class _Resumed:
+    """What ``_run`` saw: the reference run's losses and final state, and the resumed run's."""
+
+    restored_step: int | None
+    ref_losses: list[float]
+    losses: list[float]
+    ref_state: dict[str, Any]
+    state: dict[str, Any]
+    changed_by_restore: list[str]  # where the fresh objects' state differed before the restore
+    fresh: dict[str, Any]
 
 
 def _run(
     tmp_path: Any,
     build: Callable[[int], dict[str, Any]],
     step_fn: Callable[[dict[str, Any], int], float],
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> _Resumed:
     """The reference run (6 steps, no smartckpt) against: 3 steps under a manager, a save,
     fresh objects (another seed) restored by a new manager, 3 more steps."""
     ref = build(0)
@@ -232,19 +250,26 @@ def _run(
             mgr.step(s + 1, loss=losses[-1])
         mgr.save(STEPS, blocking=True)
         assert mgr.close() == []
+        saved = _states(run)
 
     fresh = build(1)
     with sc.CheckpointManager(tmp_path, eval_every=1, max_interval=3600, min_interval=0) as mgr:
         mgr.register(**fresh)
-        assert mgr.restore() == STEPS
+        before = _states(fresh)
+        restored_step = mgr.restore()
         for s in range(STEPS, 2 * STEPS):
             losses.append(step_fn(fresh, s))
             mgr.step(s + 1, loss=losses[-1])
 
-    assert losses == ref_losses, f"losses {losses} vs {ref_losses}"
-    for name in ref:
-        _assert_equal(fresh[name].state_dict(), ref[name].state_dict(), name)
-    return ref, fresh
+    return _Resumed(
+        restored_step=restored_step,
+        ref_losses=ref_losses,
+        losses=losses,
+        ref_state=_states(ref),
+        state=_states(fresh),
+        changed_by_restore=_differences(before, saved, "state"),
+        fresh=fresh,
+    )
 
 
 DEVICES = [
@@ -280,7 +305,12 @@ def test_every_optimizer_round_trips_bit_exactly(tmp_path, opt_cls, device, dete
         model = _model(opt_cls, seed, device)
         return {"model": model, "optimizer": _optimizer(opt_cls, model)}
 
-    _run(tmp_path, build, lambda objs, s: _train_step(objs["model"], objs["optimizer"], s))
+    r = _run(tmp_path, build, lambda objs, s: _train_step(objs["model"], objs["optimizer"], s))
+    assert r.restored_step == STEPS
+    # Not vacuous: the fresh objects' weights (another seed) differed from the saved ones.
+    assert any(d.startswith("state/model/") for d in r.changed_by_restore), r.changed_by_restore
+    assert r.losses == r.ref_losses
+    assert _differences(r.state, r.ref_state, "state") == []
 
 
 @pytest.mark.parametrize("sched_cls", SCHEDULERS, ids=lambda c: c.__name__)
@@ -295,7 +325,12 @@ def test_every_scheduler_round_trips_bit_exactly(tmp_path, sched_cls):
         _sched_step(objs["scheduler"], loss)
         return loss
 
-    _run(tmp_path, build, step)
+    r = _run(tmp_path, build, step)
+    assert r.restored_step == STEPS
+    # Not vacuous: a freshly built scheduler's state (epoch 0) differed from the saved one's.
+    assert any(d.startswith("state/scheduler/") for d in r.changed_by_restore), r.changed_by_restore
+    assert r.losses == r.ref_losses
+    assert _differences(r.state, r.ref_state, "state") == []
 
 
 def test_grad_scaler_round_trips_bit_exactly(tmp_path):
@@ -308,8 +343,11 @@ def test_grad_scaler_round_trips_bit_exactly(tmp_path):
     def step(objs: dict[str, Any], s: int) -> float:
         return _train_step(objs["model"], objs["optimizer"], s, scaler=objs["scaler"])
 
-    _ref, fresh = _run(tmp_path, build, step)
-    assert fresh["scaler"].get_scale() > 2.0**10  # the scale grew: the state compared really moved
+    r = _run(tmp_path, build, step)
+    assert r.restored_step == STEPS
+    assert r.losses == r.ref_losses
+    assert _differences(r.state, r.ref_state, "state") == []
+    assert r.fresh["scaler"].get_scale() > 2.0**10  # the scale grew: the state compared really moved
 
 
 def test_the_zoo_is_the_whole_module():
@@ -359,7 +397,7 @@ def test_lbfgs_history_lists_round_trip_in_order_with_their_dtypes(tmp_path):
         assert mgr.restore() == 3
     restored = opt2.state[next(iter(model2.parameters()))]
     assert isinstance(restored["old_dirs"], list) and restored["old_dirs"][0].dtype == torch.float64
-    _assert_equal(opt2.state_dict(), opt.state_dict(), "optimizer")
+    assert _differences(opt2.state_dict(), opt.state_dict(), "optimizer") == []
 
 
 class _History:
@@ -393,7 +431,7 @@ def test_lists_and_tuples_of_tensors_keep_order_and_dtypes(tmp_path):
         mgr.register(history=back)
         assert mgr.restore() == 1
     assert isinstance(back.hist, list) and isinstance(back.hist[2], tuple) and isinstance(back.hist[3], list)
-    _assert_equal(back.hist, hist, "hist")
+    assert _differences(back.hist, hist, "hist") == []
 
 
 @pytest.mark.parametrize("with_model", [False, True], ids=["optimizer-alone", "model-and-optimizer"])
@@ -424,8 +462,8 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_entry_and_both_shapes
     else:
         assert msg == "optimizer/param_groups: parameter 0 has shape 8x6 in the checkpoint, 12x6 here", msg
     # nothing was loaded: the live objects are as they were
-    _assert_equal(other_opt.state_dict(), before_opt, "optimizer")
-    _assert_equal(other.state_dict(), before_model, "model")
+    assert _differences(other_opt.state_dict(), before_opt, "optimizer") == []
+    assert _differences(other.state_dict(), before_model, "model") == []
 
 
 def test_a_moment_of_another_shape_is_refused_against_the_optimizers_own_state(tmp_path):
@@ -474,7 +512,10 @@ def test_a_fresh_optimizer_accepts_a_factored_state(tmp_path):
         # bf16 reduces per-element moments only (the biases' `variance`): the factors are exact
         for pid in (0, 2):  # the two weights
             for key in ("row_var", "col_var", "step"):
-                _assert_equal(o2.state_dict()["state"][pid][key], opt.state_dict()["state"][pid][key], key)
+                assert (
+                    _differences(o2.state_dict()["state"][pid][key], opt.state_dict()["state"][pid][key], key)
+                    == []
+                )
         bias_var = o2.state_dict()["state"][1]["variance"]
         assert bias_var.shape == model[0].bias.shape
         assert torch.allclose(bias_var, opt.state_dict()["state"][1]["variance"], rtol=1e-2)
