@@ -18,6 +18,7 @@ __all__ = [
     "StateMismatchError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "UnsafePathError",
     "UnsupportedValueError",
     "UsageError",
 ]
@@ -68,6 +69,13 @@ class CheckpointCorrupt(SmartckptError):
     def __init__(self, message: str, *, tier: str | None = None) -> None:
         super().__init__(message)
         self.tier = tier
+
+
+class UnsafePathError(SmartckptError, OSError):
+    """A path a backend refuses because it would leave its root: a name that is absolute, holds
+    ``..`` or characters no smartckpt name has, or a symlink inside the store pointing outside.
+    An ``OSError`` too, so every reader that already treats an unreadable file as damage (skip the
+    checkpoint, fall back to the previous one) treats this one the same way."""
 
 
 class StateMismatchError(SmartckptError):

@@ -23,7 +23,7 @@ says otherwise; the collectives of several ranks would hang otherwise):
    every rank take the blocking save. One process answers at once. ``hooks_may_save``: whether
    the evaluation and a save before the update may run in the optimizer pre-hook (one process
    only: no collective may run in a hook);
-4. per save (background save thread, all ranks): ``persist(persister, snap, gc_lock)``, then
+4. per save (background save thread, all ranks): ``persist(persister, snap, hold_gc)`` (``hold_gc()``: the store's ``gc.lock``, shared, for the whole save), then
    ``leads`` (the leader prunes the journal and journals a failed save) and
    ``collects_garbage()`` (the lowest rank of each disk);
 5. restore (training thread, all ranks): ``load(store, record, ...)`` reads this rank's part,
@@ -36,6 +36,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -50,8 +51,11 @@ from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
-from smartckpt_cli.store.storage.local import file_lock
 from smartckpt_cli.trigger.policies import Decision
+
+# Holds the store's gc.lock shared while a save writes, so garbage collection never takes its
+# blobs for garbage (store/retention.py).
+GcHold = Callable[[], AbstractContextManager[Any]]
 
 __all__ = ["NO", "Coordinator", "Proposal", "Ranks", "SingleProcess", "Verdict", "make_coordinator"]
 
@@ -109,7 +113,7 @@ class Coordinator(Protocol):
 
     def agree_to_save(self, p: Proposal) -> Verdict: ...
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo: ...
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo: ...
 
     def collects_garbage(self) -> bool: ...
 
@@ -147,8 +151,8 @@ class SingleProcess:
             return Verdict(NO, signum, None, skipped=True)
         return Verdict(p.decision, signum, p.wish)
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
-        with file_lock(gc_lock, shared=True):
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo:
+        with hold_gc():
             return persister.persist(snap)
 
     def collects_garbage(self) -> bool:
@@ -163,7 +167,7 @@ class SingleProcess:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
-        if distributed.needs_reshard(record.event, 1):
+        if distributed.needs_reshard(record, 1):
             return _resharded(store, record, store_id, 0, 1, skip_corrupt_l2)
         return load_checkpoint(
             store.storage, store.blobs, record, store_id, skip_corrupt_l2=skip_corrupt_l2, workers=workers
@@ -270,8 +274,8 @@ class Ranks:
         self._urgent = False
         return Verdict(chosen, None, None, spacing=spacing, agreed=True)
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
-        info, self.dirs = persist_distributed(persister, snap, self.comm, self.dir_id, gc_lock)
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo:
+        info, self.dirs = persist_distributed(persister, snap, self.comm, self.dir_id, hold_gc)
         return info
 
     def collects_garbage(self) -> bool:
@@ -287,7 +291,7 @@ class Ranks:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
-        if distributed.needs_reshard(record.event, self.world):
+        if distributed.needs_reshard(record, self.world):
             return _resharded(store, record, store_id, self.rank, self.world, skip_corrupt_l2)
         return load_part(
             store.storage,

@@ -35,7 +35,8 @@ import torch
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.state.tree import local_tensor
 from smartckpt_cli.store.directory import DIR_ID
-from smartckpt_cli.store.journal import record_manifests
+from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.names import part_rel
 
 __all__ = [
     "DIR_ID",
@@ -47,9 +48,7 @@ __all__ = [
     "guard_destroy",
     "local_tensor",
     "needs_reshard",
-    "part_rel",
-    "record_manifests",  # re-exported from journal
-    "record_world",
+    "part_rel",  # re-exported from store.names
 ]
 
 logger = logging.getLogger(__name__)
@@ -177,18 +176,10 @@ def dir_leaders(dirs: list[str]) -> set[int]:
     return set(first.values())
 
 
-def part_rel(step: int, cid: str, rank: int) -> str:
-    return f"manifests/{step:012d}-{cid}-r{rank}.json"
-
-
-def record_world(event: dict[str, Any]) -> int:
-    return int(event.get("world_size", 1))
-
-
-def needs_reshard(event: dict[str, Any], world: int) -> bool:
-    """Whether a checkpoint's commit line says it was written at another world size than
-    ``world`` (its state is then read by :mod:`.reshard`)."""
-    return record_world(event) != world
+def needs_reshard(record: CheckpointRecord, world: int) -> bool:
+    """Whether a checkpoint was written at another world size than ``world`` (its state is then
+    read by :mod:`.reshard`)."""
+    return record.world_size != world
 
 
 # ---------------------------------------------------------------------- destroy guard

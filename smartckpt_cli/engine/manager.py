@@ -136,6 +136,7 @@ class CheckpointManager(StepPath, SavePath):
         def open_as_writer() -> str:
             self._lock.acquire()
             try:
+                self.store.refuse_unsafe_layout()  # a folder symlinked outside: never written to
                 self._source, self._observers = open_tiers(s, self.store, 0, self._coord.world)
                 return self.store.ensure_journal(self._source.adopted_store_id)
             except BaseException:

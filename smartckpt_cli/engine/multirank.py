@@ -26,8 +26,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from smartckpt_cli._faults import fault_fail
@@ -41,7 +42,6 @@ from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["NotCommitted", "persist_distributed", "restore_distributed"]
 
@@ -59,7 +59,7 @@ def _digest(item: Any) -> str:
 
 
 def persist_distributed(
-    p: Persister, snap: Snapshot, comm: Comm, dir_id: str, gc_lock: Path
+    p: Persister, snap: Snapshot, comm: Comm, dir_id: str, hold_gc: Callable[[], AbstractContextManager[Any]]
 ) -> tuple[CommitInfo, list[str]]:
     """Write this rank's part and take part in the commit; returns (CommitInfo, every rank's disk
     id). Raises :class:`NotCommitted` (or this rank's own write error) when nothing was committed."""
@@ -92,7 +92,7 @@ def persist_distributed(
     manifest_bytes = b""
     # Taken after the digest exchange: a rank collecting garbage (exclusive) finishes before any
     # rank can be inside this save waiting on a collective while holding the lock shared.
-    with file_lock(gc_lock, shared=True):
+    with hold_gc():
         try:
             fault_fail("rank.write")
             written = p.write_entries(snap, own)
@@ -182,10 +182,12 @@ def load_part(
     workers: int,
 ) -> Loaded:
     """Load and verify ``rank``'s part of a multi-rank checkpoint (refs resolved)."""
-    parts = record.event.get("parts") or []
+    if record.invalid is not None:
+        raise CheckpointCorrupt(record.invalid, tier="L1")
+    parts = record.parts or ()
     if rank >= len(parts):
         raise CheckpointCorrupt(f"step {record.step}: no part for rank {rank}", tier="L1")
-    rel, mhash, part_dir = parts[rank]
+    rel, mhash, part_dir = parts[rank].manifest, parts[rank].manifest_hash, parts[rank].dir_id
     if part_dir != dir_id and not storage.exists(rel):
         # Written to another disk and not here: a part fetched from the remote tier is here.
         raise CheckpointCorrupt(
@@ -201,9 +203,13 @@ def load_part(
         if owner is None:
             continue
         if owner not in owners:
-            o_rel, o_hash, _ = parts[owner]
+            if owner >= len(parts):
+                raise CheckpointCorrupt(
+                    f"step {record.step}: entry {key} refers to rank {owner}, which has no part", tier="L1"
+                )
+            owned = parts[owner]
             owners[owner] = read_manifest(
-                storage, replace(record, manifest=o_rel, manifest_hash=o_hash), store_id
+                storage, replace(record, manifest=owned.manifest, manifest_hash=owned.manifest_hash), store_id
             )
         try:
             manifest["entries"][key] = owners[owner]["entries"][key]

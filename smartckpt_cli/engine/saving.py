@@ -210,7 +210,7 @@ class SavePath:
 
     def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
         try:
-            info = self._coord.persist(self._persister, snap, self.store.meta_root / GC_LOCK)
+            info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:
             msg = f"save of step {snap.step} failed: {type(err).__name__}: {err}"
             logger.error("%s (training continues; the next trigger tries again)", msg)
@@ -251,7 +251,7 @@ class SavePath:
         pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
         if leader and (doomed or pruned > self._pruned_seen):
             self._pruned_seen = pruned
-            collect_garbage(self.store.storage, self.store.blobs, self.store.journal, self.store.meta_root)
+            collect_garbage(self.store.storage, self.store.blobs, self.store.journal)
 
     def wait(self) -> CommitInfo | None:
         """Wait for the save in flight, if any; returns its CommitInfo (None if it failed)."""

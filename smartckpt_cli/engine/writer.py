@@ -44,8 +44,8 @@ from smartckpt_cli.store.journal import (
     encode_manifest,
     manifest_rel,
 )
+from smartckpt_cli.store.storage import Pending
 from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import PendingWrite
 
 __all__ = ["CommitInfo", "Persister", "Written", "base_meta"]
 
@@ -129,7 +129,7 @@ class Persister:
             _Chunk(view, itemsize)
         ]
 
-    def _put(self, chunk: _Chunk) -> tuple[list[Any], PendingWrite | None]:
+    def _put(self, chunk: _Chunk) -> tuple[list[Any], Pending | None]:
         """Returns ([blob id, codec, raw len, raw hash, encoded len], the pending write of a new
         blob or None when identical content is already stored)."""
         raw_len = len(chunk.view)
@@ -280,7 +280,7 @@ class Written:
     health: str
 
 
-def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | None = None) -> list[Any]:
+def _gather(futures: list[Any], pending_of: Any, cleanup: list[Pending] | None = None) -> list[Any]:
     """All results, or — when any task failed — abort every pending write (no temporary file or
     open descriptor outlives a failed save) and raise the first error."""
     results, error = [], None

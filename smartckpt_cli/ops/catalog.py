@@ -93,10 +93,7 @@ def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
 
 def world_size(rec: CheckpointRecord) -> int:
     """How many ranks wrote ``rec`` (1 for a single-process checkpoint)."""
-    n = rec.event.get("world_size")
-    if isinstance(n, int) and n > 0:
-        return n
-    return max(1, len(rec.event.get("parts") or []))
+    return rec.world_size
 
 
 def dtensor_nodes(manifest: dict[str, Any]) -> dict[str, tuple[list[int], list[str]]]:

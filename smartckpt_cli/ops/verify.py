@@ -269,16 +269,11 @@ def _parts(
     single-process checkpoint (rank None), else every rank's part found here. Parts written to
     another disk go to ``result.ranks_elsewhere``; a part missing from its own disk stays in the
     list, so that reading it reports the damage."""
-    parts = rec.event.get("parts")
-    if not isinstance(parts, list) or not parts:
-        return [(None, rec)]
+    if not rec.parts:
+        return [(None, rec)]  # one process, or an invalid line (read_manifest names its fault)
     out: list[tuple[int | None, CheckpointRecord]] = []
-    for rank, part in enumerate(parts):
-        try:
-            rel, mhash, part_dir = str(part[0]), str(part[1]), part[2]
-        except (IndexError, TypeError, KeyError):
-            result.problems.append(f"rank {rank}: the commit line's part entry is malformed: {part!r}")
-            continue
+    for rank, part in enumerate(rec.parts):
+        rel, mhash, part_dir = part.manifest, part.manifest_hash, part.dir_id
         if part_dir != here and not store.storage.exists(rel):
             result.ranks_elsewhere.append(rank)
             continue

@@ -33,7 +33,6 @@ from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import JournalState
 from smartckpt_cli.store.retention import GC_LOCK
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["REMOTE_LOCK", "RemoteTier"]
 
@@ -102,9 +101,9 @@ class RemoteTier:
 
     def _fetch(self, cand: Candidate) -> None:
         rec = cand.record
-        with file_lock(self.store.meta_root / GC_LOCK, shared=True):  # fetched blobs are no garbage
+        with self.store.lock(GC_LOCK, shared=True):  # fetched blobs are no garbage
             try:
-                if rec.event.get("parts") or self.world > 1:
+                if rec.parts or self.world > 1:
                     got = fetch_part(
                         self.remote,
                         self.store.storage,

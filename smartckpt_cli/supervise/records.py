@@ -26,7 +26,7 @@ from typing import Any
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.store.directory import WRITER_LOCK
 from smartckpt_cli.store.journal import Journal
-from smartckpt_cli.store.storage.local import LocalStorage, file_lock
+from smartckpt_cli.store.storage import LocalStorage
 from smartckpt_cli.supervise.policy import estimate_mtbf
 
 __all__ = [
@@ -124,8 +124,14 @@ def read_records(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             logger.warning("run record %s is unreadable; ignored", p)
             continue
-        if isinstance(data, dict):
-            out.append(data)
+        if not isinstance(data, dict):
+            logger.warning("run record %s is not a run record; ignored", p)
+            continue
+        attempts = data.get("attempts", [])
+        if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
+            logger.warning("run record %s: attempts is not a list of attempts; ignored", p)
+            continue
+        out.append(data)
     return out
 
 
@@ -143,7 +149,8 @@ class StoreView:
     def __init__(self, directory: str | os.PathLike[str], meta_dir: str | os.PathLike[str] | None) -> None:
         self.root = Path(directory)
         self.meta_root = Path(meta_dir) if meta_dir else self.root
-        self.journal = Journal(LocalStorage(self.meta_root), self.meta_root)
+        self.meta = LocalStorage(self.meta_root)
+        self.journal = Journal(self.meta, self.meta_root)
 
     def _records(self) -> list[Any]:
         try:
@@ -176,7 +183,7 @@ class StoreView:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with file_lock(self.meta_root / WRITER_LOCK, blocking=False):
+                with self.meta.lock(WRITER_LOCK, blocking=False):
                     self.journal.append(
                         {"event": "rollback", "to_step": int(to_step), "why": why, "by": "smartckpt run"}
                     )
