@@ -118,6 +118,8 @@ class RunDir:
             name = os.path.basename(path)
             with contextlib.suppress(ValueError, OSError):
                 pid = int(name.split(".")[1])
+                if pid <= 0 or not name.split(".")[1].isdigit():
+                    continue  # not a pid a process wrote (-1 would address every process)
                 if name not in self._before or os.path.getmtime(path) >= self._since:
                     out.append((path, pid))
         return out

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from smartckpt_cli.config import public_settings
 from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.redact import redact_argv
 from smartckpt_cli.supervise.child import RunDir, child_env, hooks_dir, interpreter_flags_warning
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
@@ -75,9 +76,11 @@ class Supervisor:
         self.dir = Path(self.s.dir).resolve()
         self.run_dir = self.dir / RUNS_DIR / self.run_id
         self.store = StoreView(self.dir, self.s.meta_dir)
-        self.record = RunRecord(self.run_id, list(options.command), str(self.dir), time.time())
+        # What is written and shown never holds a secret of the command line (--hf-token=...).
+        shown = redact_argv(list(options.command))
+        self.record = RunRecord(self.run_id, shown, str(self.dir), time.time())
         self.record.settings = public_settings(self.s)
-        self.state = RunState(run_id=self.run_id, command=" ".join(options.command))
+        self.state = RunState(run_id=self.run_id, command=" ".join(shown))
         self.gpu = GpuMonitor()
         self.crash = CrashLoop(limit=self.s.crash_loop)
         self.signals = Forwarder(self.state, self.s.grace_period, self.emit)

@@ -73,7 +73,9 @@ def hang_kill(
         f"the child hangs: no progress past step {clock.last_step} for "
         f"{clock.timeout() or 0:.0f} s (hang timeout); dumping stacks and killing it",
     )
-    live = [p for p in hooks if alive(p)]
+    # Only processes of the child's own process group: the pids come from file names in the run
+    # directory, and a file planted there must not make the supervisor signal anyone else.
+    live = [p for p in hooks if alive(p) and _in_group(p, pid)]
     for p in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, getattr(signal, proto.STACK_SIGNAL_NAME))
@@ -91,3 +93,10 @@ def hang_kill(
     else:
         emit("warning", "no stack dump: the hooks are not live in the hung process")
     killpg(pid, signal.SIGKILL)
+
+
+def _in_group(pid: int, group: int) -> bool:
+    try:
+        return os.getpgid(pid) == group
+    except OSError:
+        return False
