@@ -313,6 +313,9 @@ def run_cmd(
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
+    # Each command reports the journal's damaged lines itself (in its table, its error line);
+    # the journal's own warning is for training processes and would say it twice.
+    logging.getLogger("smartckpt_cli.store.journal").setLevel(logging.ERROR)
     try:
         app()
     except SmartckptError as err:
