@@ -169,7 +169,11 @@ class CheckpointManager(StepPath, SavePath):
         # Whether step() beats the heartbeat of `smartckpt run`; zero-code mode beats from its own
         # optimizer hook, one step ahead of the manager, and turns this off.
         self.heartbeat = True
-        self._trace = TraceWriter(self.store.meta_root)
+        self._trace = TraceWriter(
+            self.store.meta_root,
+            on_error=lambda err: self._io_event("trace", err),
+            on_recovered=lambda: self._io_event("trace", None),
+        )
         self._preempt = PreemptionWatch(s.signal_names, usr_continue=s.usr_continue)
         self._last_step = 0
         self._last_loss: torch.Tensor | float | None = None
@@ -207,6 +211,7 @@ class CheckpointManager(StepPath, SavePath):
         self._meta = base_meta()
         self._stats = SaveStats()
         self._stats_lock = threading.Lock()
+        self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
         # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
         # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
         self._committed: tuple[int | None, float] = (None, time.monotonic())
@@ -341,6 +346,15 @@ class CheckpointManager(StepPath, SavePath):
         with self._stats_lock:
             return list(self._stats.skipped)
 
+    def _io_event(self, what: str, err: OSError | None) -> None:
+        """A write on the loop's path (the trace) that failed, or works again: one journal line
+        each, when the journal can be written (the log has it either way); never raises."""
+        event: dict[str, Any] = {"event": "io_error" if err else "io_ok", "what": what}
+        if err is not None:
+            event["error"] = f"{type(err).__name__}: {err}"[:300]
+        if self._coord.leads:
+            self._journal_event(event)
+
     def close(self) -> list[str]:
         """Wait for the save in flight, stop the background threads, release the store.
         Returns the failures of background saves (also logged)."""
@@ -350,6 +364,8 @@ class CheckpointManager(StepPath, SavePath):
         try:
             with heartbeat.heartbeat_state("SAVING"):
                 self.wait()
+                if self._unjournalled:
+                    self._journal_event()  # failures the journal could not take when they happened
                 for observer in self._observers:
                     observer.on_close()
         finally:

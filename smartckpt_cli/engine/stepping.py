@@ -104,6 +104,7 @@ class StepPath:
     heartbeat: bool
     # the manager's own
     _save: Callable[..., SaveHandle]
+    _save_failed: Callable[[int, BaseException], str]
     _preempted: Callable[[int, int, StepResult], StepResult]
 
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
@@ -128,9 +129,7 @@ class StepPath:
             try:
                 self._before_update(step)
             except Exception as err:  # never break the user's optimizer.step()
-                logger.warning("save before the optimizer update failed: %s", err)
-                with self._stats_lock:
-                    self._stats.failures.append(f"step {self._last_step}: {err}")
+                self._save_failed(self._last_step, err)
 
     def _launch(self, step: int) -> None:
         """Start the evaluation of ``step``: the memory ceiling read on the host, the signals'
@@ -311,8 +310,8 @@ class StepPath:
             self._preempt.take()
             return self._preempted(step, signum, result)
         if decision.save:
-            result.saved, result.reason = True, decision.reason
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
+            result.saved, result.reason = result.handle.error is None, decision.reason
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
