@@ -55,6 +55,7 @@ from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.store.directory import StoreDir, open_store
+from smartckpt_cli.store.scrub import Scrubber, ScrubBook
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
@@ -201,6 +202,7 @@ class CheckpointManager(StepPath, SavePath):
             workers=s.n_workers,
             nice=s.background_nice,
         )
+        self._persister.scrub = Scrubber(ScrubBook(self.store.meta, self._coord.rank))
         self._saver = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="smartckpt-save",

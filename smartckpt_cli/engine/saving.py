@@ -237,6 +237,16 @@ class SavePath:
             self._save_failed(snap.step, err)
             raise  # held by the handle (SaveHandle.error); wait() never raises it
         self.last_commit = info
+        repaired = self._persister.scrubbed.get("repaired") if self._persister.scrub is not None else None
+        if repaired:
+            logger.warning(
+                "step %d: %d reused blob(s) failed their hash (bit rot) and were written again from "
+                "the live state: %s",
+                snap.step,
+                len(repaired),
+                ", ".join(repaired[:5]),
+            )
+            self._journal_event({"event": "blob_repaired", "step": snap.step, "blobs": repaired[:100]})
         if self._unjournalled:
             self._journal_event()  # what could not be written while the disk was full
         for observer in self._observers:
