@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import smartckpt_cli as sc
 from smartckpt_cli.cli.app import app
 from smartckpt_cli.store.directory import open_store
-from smartckpt_cli.store.scrub import ScrubBook, Scrubber
+from smartckpt_cli.store.scrub import Scrubber, ScrubBook
 
 
 def _model() -> torch.nn.Module:

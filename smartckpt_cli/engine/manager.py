@@ -185,6 +185,7 @@ class CheckpointManager(StepPath, SavePath):
         self._pre_reading: SignalReading | None = None
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
+        self._precursor_refused: set[str] = set()
         # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
         self._cost = SaveCost()
         self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}

@@ -80,6 +80,7 @@ class StepPath:
     _pre_reading: SignalReading | None
     _pre_hooks: int
     _pre_saved: tuple[SaveHandle, str] | None
+    _precursor_refused: set[str]  # reasons a save before the update was not taken (logged once each)
     _optimizers: list[Any]
     _objects: dict[str, tuple[str, Any]]
     _lazy_snapshot: Any
@@ -158,6 +159,14 @@ class StepPath:
         prev = self._last_step
         objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
         if objects is None or busy:
+            why = self._boundary.why_not if objects is None else None
+            if why is not None and why not in self._precursor_refused:
+                self._precursor_refused.add(why)
+                logger.warning(
+                    "no save before the update of step %d: %s; the alarm is taken at the step boundary",
+                    step,
+                    why,
+                )
             return  # the alarm stays pending: step() takes it, after the update
         self._last_reading = reading
         handle = self._save(prev, decision, lazy=False, objects=objects)
