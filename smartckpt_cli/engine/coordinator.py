@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from smartckpt_cli import errors
 from smartckpt_cli.engine import distributed
 from smartckpt_cli.engine.cadence import decide_gap
 from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
@@ -231,9 +232,15 @@ class Ranks:
                 opened = open_store()
             except BaseException as err:
                 opened = err
-        shared = self.comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
-        if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
-            raise SmartckptError(shared)  # every rank fails the same way, none waits forever
+        kind = type(opened).__name__ if isinstance(opened, SmartckptError) else "SmartckptError"
+        shared = self.comm.broadcast(opened if isinstance(opened, str) else (kind, f"rank 0: {opened}"))
+        if not isinstance(opened, BaseException) and not isinstance(shared, str):
+            # every rank fails the same way (the same class: a refused start stops every rank
+            # with smartckpt run's exit code 5), none waits forever
+            cls = getattr(errors, shared[0], SmartckptError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, SmartckptError) else SmartckptError)(
+                shared[1]
+            )
         distributed.guard_destroy(owner)
         if isinstance(opened, BaseException):
             raise opened
