@@ -107,6 +107,9 @@ def install_hooks() -> None:
 
     register_optimizer_step_pre_hook(_pre_hook)
     register_optimizer_step_post_hook(_post_hook)
+    from smartckpt_cli.agent.zerocode import stamp_creation
+
+    stamp_creation()  # a creation order, the same in every run, for zero-code's names
     torch.Tensor.backward = _remember_loss(torch.Tensor.backward)  # type: ignore[method-assign]
     torch.autograd.backward = _remember_loss(torch.autograd.backward)
 
