@@ -54,6 +54,7 @@ class Settings:
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
     distributed: str = "auto"  # auto: coordinate ranks when torch.distributed runs | off
+    rank_timeout: float = 900.0  # seconds a rank waits for the others in smartckpt's collectives
     tiers: tuple[TierRule, ...] = field(default_factory=tuple)
     # smartckpt run (the supervisor)
     max_restarts: int = 5  # restarts after failures before giving up
@@ -88,6 +89,8 @@ class Settings:
             raise ConfigError(f"inflight must be 'wait' or 'skip', not {self.inflight!r}")
         if self.distributed not in ("auto", "off"):
             raise ConfigError(f"distributed must be 'auto' or 'off', not {self.distributed!r}")
+        if self.rank_timeout <= 0:
+            raise ConfigError("rank_timeout must be positive (seconds)")
         if not -1 <= self.compression_level <= 22:
             raise ConfigError("compression_level must be between -1 (raw) and 22")
         if self.chunk_mb < 1:

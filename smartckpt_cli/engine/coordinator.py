@@ -342,12 +342,12 @@ def _resharded(
     return loaded
 
 
-def make_coordinator(setting: str, root: Path) -> Coordinator:
+def make_coordinator(setting: str, root: Path, timeout: float | None = None) -> Coordinator:
     """The coordinator of this process: :class:`Ranks` in a multi-rank ``torch.distributed``
     world (``setting``: the ``distributed`` setting, ``auto`` or ``off``), else
     :class:`SingleProcess`. A remote tier works with either (remote/parts.py: each rank uploads
     its own part, rank 0 commits the step once every part is remote)."""
-    comm = distributed.detect(setting)
+    comm = distributed.detect(setting, timeout)
     if comm is None:
         return SingleProcess()
     return Ranks(comm, distributed.dir_id(root))

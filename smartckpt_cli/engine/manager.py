@@ -129,7 +129,7 @@ class CheckpointManager(StepPath, SavePath):
         # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
         # lock and the journal, the others follow it. Restores look in the local store, or in
         # the remote tier too, which also hears of every commit (observers.py).
-        self._coord = make_coordinator(s.distributed, self.store.root)
+        self._coord = make_coordinator(s.distributed, self.store.root, s.rank_timeout)
         self._source: CheckpointSource = LocalSource()
         self._observers: list[CommitObserver] = []
         self._pruned_seen = 0

@@ -288,7 +288,17 @@ class StepPath:
             or step >= self._coord.next_point
         ):
             t0 = time.monotonic()
-            decision = self._consult(step, reading)
+            try:
+                decision = self._consult(step, reading)
+            except Exception as err:
+                # A failing evaluation must neither raise into the loop nor keep this rank from the
+                # decision collective below (the other ranks would wait for it): no save wished
+                # at this step, reported once per cause.
+                decision = NO
+                cause = f"{type(err).__name__}: {err}"
+                if cause not in self._precursor_refused:
+                    self._precursor_refused.add(cause)
+                    logger.error("step %d: the trigger's evaluation failed (%s); no save wished", step, cause)
             if reading is not None:
                 reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
                 self._trace.add(reading, decision.score, reason)
