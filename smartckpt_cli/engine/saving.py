@@ -35,6 +35,7 @@ from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
+from smartckpt_cli.errors import UnsupportedValueError
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.trigger.cost import SaveCost
@@ -153,6 +154,11 @@ class SavePath:
         flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
         also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
         handle = self._save(step, Decision(True, reason), lazy=False)
+        err = handle.error
+        if isinstance(err, UnsupportedValueError):
+            # A state that can never be stored (a quantized tensor): the caller asked for this save,
+            # so it hears of it at once. step() records it instead, like any failed save.
+            raise err
         if blocking:
             with heartbeat.heartbeat_state("SAVING"):
                 handle.wait()

@@ -110,7 +110,8 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return PendingWrite(fd, tmp, final, "blob" if rel.startswith("blobs/") else "manifest")
+        kind = "blob" if rel.startswith("blobs/") else "manifest" if rel.startswith("manifests/") else "file"
+        return PendingWrite(fd, tmp, final, kind)
 
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
         pending = self.begin(rel, data)
