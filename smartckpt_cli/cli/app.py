@@ -332,7 +332,16 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
     # Each command reports the journal's damaged lines itself (in its table, its error line);
     # the journal's own warning is for training processes and would say it twice.
-    logging.getLogger("smartckpt_cli.store.journal").setLevel(logging.ERROR)
+    journal_log = logging.getLogger("smartckpt_cli.store.journal")
+    level = journal_log.level
+    journal_log.setLevel(logging.ERROR)
+    try:
+        _run()
+    finally:
+        journal_log.setLevel(level)  # main() may run inside a longer-lived process (tests)
+
+
+def _run() -> None:
     try:
         app()
     except SmartckptError as err:
