@@ -44,11 +44,13 @@ wrapped on the instance), and the loss fed to the trigger is divided by its scal
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import re
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,11 +128,15 @@ def discover(*, with_loaders: bool) -> _Found:
 
 _creation = itertools.count()
 _UNSTAMPED = 1 << 62  # created before the hooks were installed: after every stamped one
+# Kept beside the objects, never in them: an LR scheduler's state_dict() is its __dict__.
+_stamps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _created(obj: Any) -> int:
-    value = getattr(obj, "_smartckpt_created", _UNSTAMPED)
-    return value if isinstance(value, int) else _UNSTAMPED
+    try:
+        return _stamps.get(obj, _UNSTAMPED)
+    except TypeError:  # not weakly referenceable or not hashable: never stamped
+        return _UNSTAMPED
 
 
 def stamp_creation() -> None:
@@ -151,8 +157,9 @@ def stamp_creation() -> None:
 def _stamping(init: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        if "_smartckpt_created" not in self.__dict__:  # once, whatever the subclass chain
-            self.__dict__["_smartckpt_created"] = next(_creation)
+        with contextlib.suppress(TypeError):
+            if self not in _stamps:  # once, whatever the subclass chain
+                _stamps[self] = next(_creation)
 
     __init__._smartckpt_stamp = True  # type: ignore[attr-defined]
     __init__.__wrapped__ = init  # type: ignore[attr-defined]
