@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smartckpt_cli.config import Settings
-from smartckpt_cli.engine import distributed, heartbeat
+from smartckpt_cli.engine import ddp_layout, distributed, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
@@ -184,6 +184,8 @@ class SavePath:
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
         snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
+        if ddp := ddp_layout.record(self._objects):  # DDP's gradient buckets (ddp_layout.py)
+            snap.meta[ddp_layout.DDP_META] = ddp
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
