@@ -147,13 +147,13 @@ def _relay(ddp: Any, buckets: list[list[int]]) -> str | None:
 
 
 def restore(
-    meta: dict[str, Any] | None, objects: dict[str, tuple[str, Any]], world: int, step: int
+    meta: dict[str, Any] | None, objects: dict[str, tuple[str, Any]], world: int, rank: int, step: int
 ) -> list[str]:
     """Give every restored DDP the bucket layout recorded at the save (module docstring). Call
     after the state is loaded and before the first forward, on every rank (the layouts are the
     same on every rank: rank 0's, broadcast by DDP when it rebuilt). Returns the limits: one line
     per DDP whose next step will not sum its gradients as the interrupted job did (only with 3 or
-    more ranks: a sum of two numbers does not depend on the order)."""
+    more ranks: a sum of two numbers does not depend on the order); rank 0 logs them."""
     limits: list[str] = []
     recorded = meta if isinstance(meta, dict) else None
     for name, (_, obj) in objects.items():
@@ -176,6 +176,8 @@ def restore(
                 continue
         elif recorded is None:
             why = "the checkpoint does not record DDP's gradient buckets (written by an older version)"
+        elif not isinstance(entry, dict):
+            why = "the checkpoint records no gradient buckets for it"
         else:
             why = "the checkpoint was taken before DDP had rebuilt its gradient buckets (its first two steps)"
         if world >= 3:
@@ -184,6 +186,6 @@ def restore(
                 f"another order than the interrupted run did ({why}); from here the weights are close "
                 "to the uninterrupted run's, not bit-exact"
             )
-            logger.warning("%s", line)
+            logger.log(logging.WARNING if rank == 0 else logging.INFO, "%s", line)
             limits.append(line)
     return limits

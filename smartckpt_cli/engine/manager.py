@@ -319,7 +319,8 @@ class CheckpointManager(StepPath, SavePath):
         apply_checkpoint(loaded, objects)
         if loaded.manifest.get("resharded_from") is None:  # same world size: bit-exact (ddp_layout.py)
             meta = loaded.manifest.get("meta", {}).get(ddp_layout.DDP_META)
-            self.resume_limits = ddp_layout.restore(meta, objects, self._coord.world, int(loaded.record.step))
+            where = (self._coord.world, self._coord.rank)
+            self.resume_limits = ddp_layout.restore(meta, objects, *where, int(loaded.record.step))
         if self.last_restore is not loaded.manifest:
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest
