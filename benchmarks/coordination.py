@@ -16,7 +16,7 @@ the commit group, payload bytes per rank), the time from the last rank's part to
 and from the save's snapshot to the commit line, and the files and bytes the save wrote (from the
 manifests: the part manifests, the blobs no earlier checkpoint had, the journal line).
 
-    python benchmarks/coordination.py [--ranks 2 4 8] [--saves 8] [--every 10] [--mb 4]
+    python benchmarks/coordination.py [--ranks 2 4 8] [--saves 8] [--every 10] [--mb 4] [--rounds 3]
 
 On this 2-core machine 4 and 8 ranks oversubscribe the CPU: every rank's training thread competes
 with every other rank's save thread, and the times grow with that, not only with the protocol. The
@@ -293,8 +293,8 @@ def _per_save(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_world(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    d = work / f"w{n}"
+def launch(n: int, args: argparse.Namespace, d: Path) -> dict[str, Any]:
+    """One torchrun of ``n`` ranks: every rank's record, and what each save wrote."""
     d.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
@@ -304,22 +304,33 @@ def run_world(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         raise SystemExit(f"{n} ranks failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     ranks = [json.loads((d / f"rank{r}.json").read_text()) for r in range(n)]
-    rows = _per_save(ranks)[1:]  # the first save also sets things up (staging, connections)
-    written = _written(d / "ck")[1:]  # the first save writes everything; later ones what changed
-    med = statistics.median
-    idle = [1e6 * t for rk in ranks for t in rk["idle_decide"]]
     decide_ops = [
         e for rk in ranks for e in rk["events"] if e.get("group") == "decide" and e["t0"] >= rk["idle_from"]
     ]
     return {
+        "rows": _per_save(ranks)[1:],  # the first save also sets things up (staging, connections)
+        "written": _written(d / "ck")[1:],  # the first save writes everything; later ones what changed
+        "idle": [1e6 * t for rk in ranks for t in rk["idle_decide"]],
+        "decide_calls": len(decide_ops) / (200 * n),
+        "decide_messages": sum(e["messages"] for e in decide_ops) / 200,
+        "package": ranks[0]["package"],
+    }
+
+
+def summary(n: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of ``n`` ranks: medians over the saves of every round."""
+    rows = [r for run in runs for r in run["rows"]]
+    written = [w for run in runs for w in run["written"]]
+    med = statistics.median
+    return {
         "ranks": n,
         "saves": len(rows),
         "decisions_per_save": med(r["decisions"] for r in rows),
-        "decide_us_training": med(1e3 * t for r in rows for t in r["decide_ms"]) if rows else None,
-        "decide_us_idle": med(idle),
-        "decide_calls_per_rank": len(decide_ops) / (200 * n),
-        "decide_messages_total": sum(e["messages"] for e in decide_ops) / 200,
-        "package": ranks[0]["package"],
+        "decide_us_training": med(1e3 * t for r in rows for t in r["decide_ms"]),
+        "decide_us_idle": med(t for run in runs for t in run["idle"]),
+        "decide_calls_per_rank": med(run["decide_calls"] for run in runs),
+        "decide_messages_total": med(run["decide_messages"] for run in runs),
+        "package": runs[0]["package"],
         "commit_calls_rank0": med(r["commit_calls"][0] for r in rows),
         "commit_calls_other": med(c for r in rows for c in r["commit_calls"][1:]),
         "commit_messages_rank0": med(r["commit_messages_sent"][0] for r in rows),
@@ -328,9 +339,7 @@ def run_world(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "commit_sent_rank0_B": med(r["commit_bytes_sent"][0] for r in rows),
         "commit_sent_other_B": med(b for r in rows for b in r["commit_bytes_sent"][1:]),
         "commit_sent_total_B": med(sum(r["commit_bytes_sent"]) for r in rows),
-        "last_part_to_commit_ms": med(
-            r["last_part_to_commit_ms"] for r in rows if r["last_part_to_commit_ms"]
-        ),
+        "last_part_to_commit_ms": med(r["last_part_to_commit_ms"] for r in rows),
         "snapshot_to_commit_ms": med(r["snapshot_to_commit_ms"] for r in rows),
         "files_per_save": med(w["files"] for w in written),
         "bytes_per_save": med(w["bytes"] for w in written),
@@ -445,6 +454,7 @@ def main() -> int:
     ap.add_argument("--saves", type=int, default=8)
     ap.add_argument("--every", type=int, default=10, help="a save every this many steps")
     ap.add_argument("--mb", type=float, default=4.0, help="parameters of the model, MB")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every world size, in turn")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "coordination.json"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -453,25 +463,29 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if min(args.ranks) < 2 or args.saves < 2 or args.every < 1 or args.mb <= 0:
-        ap.error("--ranks of at least 2, --saves of at least 2, a positive --every and --mb")
+    if min(args.ranks) < 2 or args.saves < 2 or args.every < 1 or args.mb <= 0 or args.rounds < 1:
+        ap.error("--ranks of at least 2, --saves of at least 2, a positive --every, --mb and --rounds")
     t0 = time.time()
-    results = []
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in args.ranks}
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        for n in args.ranks:
-            res = run_world(n, args, Path(tmp))
-            results.append(res)
-            print(
-                f"{n} ranks: {res['decisions_per_save']:g} decisions/save, one {res['decide_us_idle']:.0f} us idle, "
-                f"{res['decide_messages_total']:g} messages; "
-                f"commit calls rank 0 {res['commit_calls_rank0']:g}, other {res['commit_calls_other']:g}; "
-                f"messages rank 0 {res['commit_messages_rank0']:g}, other {res['commit_messages_other']:g}, "
-                f"all {res['commit_messages_total']:g}; sent by all {res['commit_sent_total_B']:.0f} B; "
-                f"last part -> commit {res['last_part_to_commit_ms']:.1f} ms; "
-                f"snapshot -> commit {res['snapshot_to_commit_ms']:.1f} ms; "
-                f"{res['files_per_save']:g} files, {res['bytes_per_save'] / 1e6:.2f} MB per save",
-                flush=True,
-            )
+        for i in range(args.rounds):  # the world sizes in turn, each round starting elsewhere
+            for n in args.ranks[i % len(args.ranks) :] + args.ranks[: i % len(args.ranks)]:
+                runs[n].append(launch(n, args, Path(tmp) / f"round{i}-w{n}"))
+    results = []
+    for n in args.ranks:
+        res = summary(n, runs[n])
+        results.append(res)
+        print(
+            f"{n} ranks: {res['decisions_per_save']:g} decisions/save, one {res['decide_us_idle']:.0f} us idle, "
+            f"{res['decide_messages_total']:g} messages; "
+            f"commit calls rank 0 {res['commit_calls_rank0']:g}, other {res['commit_calls_other']:g}; "
+            f"messages rank 0 {res['commit_messages_rank0']:g}, other {res['commit_messages_other']:g}, "
+            f"all {res['commit_messages_total']:g}; sent by all {res['commit_sent_total_B']:.0f} B; "
+            f"last part -> commit {res['last_part_to_commit_ms']:.1f} ms; "
+            f"snapshot -> commit {res['snapshot_to_commit_ms']:.1f} ms; "
+            f"{res['files_per_save']:g} files, {res['bytes_per_save'] / 1e6:.2f} MB per save",
+            flush=True,
+        )
     _write_result(args.json, args, results, t0)
     print(f"wrote {args.json}")
     return 0
