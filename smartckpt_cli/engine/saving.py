@@ -245,11 +245,13 @@ class SavePath:
         return info
 
     def _retain(self) -> None:
+        leader = self._coord.collects_garbage()  # the lowest rank of every disk
+        if not (leader or self._coord.leads):
+            return  # nothing to do here: no journal read per rank per save (it grows with the ranks)
         state = self.store.journal.read()
         doomed = select_prunable(state.records, self.settings.keep_last)
         if doomed and self._coord.leads:  # one rank prunes the journal
             prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
-        leader = self._coord.collects_garbage()  # the lowest rank of every disk
         pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
         if leader and (doomed or pruned > self._pruned_seen):
             self._pruned_seen = pruned
