@@ -66,6 +66,14 @@ out["hooked_two_ranks"] = ddp_layout.restore(meta, {"model": ("module", make())}
 out["old_checkpoint"] = ddp_layout.restore(None, {"model": ("module", make())}, 4, 0, 9)
 out["early_checkpoint"] = ddp_layout.restore(out["fresh"], {"model": ("module", make())}, 4, 0, 1)
 out["unused"] = ddp_layout.record({"model": ("module", make(find_unused_parameters=True))})
+static = make(static_graph=True)
+train(static, 4)  # a static graph rebuilds one iteration later: DDP logs it at the fourth
+static_meta = ddp_layout.record({"model": ("module", static)})
+static_again = make(static_graph=True)
+out["static_limits"] = ddp_layout.restore(static_meta, {"model": ("module", static_again)}, 3, 0, 3)
+out["static"] = [buckets(static), buckets(static_again)]
+train(static_again, 3)  # a static graph's first iteration and rebuild run on the new reducer
+out["static_after"] = buckets(static_again)
 print(json.dumps(out))
 dist.destroy_process_group()
 """
@@ -103,6 +111,8 @@ def test_layout_recorded_once_rebuilt_and_given_back_to_a_new_reducer(tmp_path: 
     assert ["its first two steps" in line for line in out["early_checkpoint"]] == [True]
     # a DDP that never rebuilds (find_unused_parameters) reduces in one layout throughout
     assert out["unused"] == {}
+    # static_graph: the reducer is built again as DDP's own __setstate__ builds it
+    assert out["static_limits"] == [] and out["static"][0] == out["static"][1] == out["static_after"]
 
 
 def test_parse_layout_reads_ddps_logging_form() -> None:

@@ -16,7 +16,7 @@ What. At each save, :func:`record` reads the layout of every registered DDP from
 data (``rebuilt_per_bucket_param_indices``, filled at the sampled iterations once the buckets were
 rebuilt) into the manifest's metadata, ``meta["ddp"] = {name: {"buckets": [[7, 6, ...], ...]}}``
 (``"buckets": null``: this DDP will rebuild but its layout is not known yet: a checkpoint of its
-first two steps). At a restore at the same world size, :func:`restore` builds the reducer of each
+first two steps, three with ``static_graph``). At a restore at the same world size, :func:`restore` builds the reducer of each
 DDP again with the recorded layout, through DDP's own ``_ddp_init_helper`` (the path DDP's
 ``__setstate__`` takes to build a reducer), before its first forward; its one rebuild after the
 first iteration then lands on the same layout. Where that cannot be done (a communication hook
@@ -179,7 +179,7 @@ def restore(
         elif not isinstance(entry, dict):
             why = "the checkpoint records no gradient buckets for it"
         else:
-            why = "the checkpoint was taken before DDP had rebuilt its gradient buckets (its first two steps)"
+            why = "the checkpoint was taken before DDP had rebuilt its gradient buckets (its first two steps, three with static_graph)"
         if world >= 3:
             line = (
                 f"DDP '{name}': the first step after this resume sums gradients over the {world} ranks in "
