@@ -258,18 +258,21 @@ def test_a_signal_to_one_rank_makes_every_rank_save_at_the_same_step(tmp_path, c
 def test_ownership_and_naming_rules():
     from smartckpt_cli.engine.distributed import (
         dir_leaders,
-        entry_owner,
+        entry_hash,
         needs_reshard,
         part_rel,
+        plan_refs,
     )
     from smartckpt_cli.store.journal import fold
 
-    digests = [{"w": "a", "rng": "r0"}, {"w": "a", "rng": "r1"}, {"w": "a", "rng": "r0"}]
+    w, rng0, rng1 = entry_hash("w", "a"), entry_hash("rng", "r0"), entry_hash("rng", "r1")
+    hashes = [[w, rng0], [w, rng1], [rng0, w]]  # the entries' order may differ from rank to rank
     # one shared disk: the replicated weight is rank 0's; rank 1's own RNG is its own
-    assert [entry_owner(r, "w", digests, ["d"] * 3) for r in range(3)] == [0, 0, 0]
-    assert [entry_owner(r, "rng", digests, ["d"] * 3) for r in range(3)] == [0, 1, 0]
+    assert plan_refs(hashes, ["d"] * 3) == [{}, {0: 0}, {0: 0, 1: 0}]
     # node-local disks: nothing is shared across disks
-    assert [entry_owner(r, "w", digests, ["n0", "n1", "n1"]) for r in range(3)] == [0, 1, 1]
+    assert plan_refs(hashes, ["n0", "n1", "n1"]) == [{}, {}, {1: 1}]
+    # the same bytes under another key are another entry
+    assert entry_hash("w", "a") != entry_hash("v", "a") and len(entry_hash("w", "a")) == 32
     assert dir_leaders(["n0", "n1", "n1", "n0"]) == {0, 1}
     assert part_rel(10, "0123456789ab", 1) == "manifests/000000000010-0123456789ab-r1.json"
     cid, h = "0123456789ab", "0" * 32

@@ -221,6 +221,41 @@ def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
 
 
 @pytest.mark.slow
+def test_four_ranks_on_four_node_local_disks_resume_from_the_remote_bit_exact(tmp_path, s3, moto, env_base):
+    """4 ranks, each with its own node-local dir, the journal in a shared meta_dir: rank 2 is
+    SIGKILLed at step 17. Every remote commit names the 4 parts, each marked. With all 4 disks
+    and the meta_dir lost, the job resumes at 4 ranks from the newest remote step, every rank
+    fetching its own part only, and ends bit-exact with an uninterrupted 4-rank run."""
+    url, bucket, _ = s3
+    (tmp_path / "ref").mkdir()
+    rc, log = _torchrun(
+        ["--dir", "ck", "--every", "5", "--total", str(TOTAL), "--out", "ref"], tmp_path / "ref", env_base, 4
+    )
+    assert rc == 0, log[-3000:]
+    reference = [torch.load(tmp_path / "ref" / f"ref.r{r}", weights_only=True) for r in range(4)]
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
+    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "2"], tmp_path, env, 4)
+    assert rc != 0, out[-3000:]
+    ids = {(tmp_path / "local" / f"node{r}" / "dir.id").read_text() for r in range(4)}
+    assert len(ids) == 4  # four disks: nothing written once for another
+    commits = _remote_commits(url, env)
+    assert commits, out[-3000:]
+    for rec in commits:
+        assert rec.event["world_size"] == 4 and len(rec.event["parts"]) == 4
+        assert not missing_markers(rec, _markers(moto.port, bucket))
+    newest = commits[-1].step
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env, 4)
+    assert rc == 0, out2[-3000:]
+    assert all(f"rank {r} start {newest}" in out2 for r in range(4)), out2[-3000:]
+    for r in range(4):
+        assert_same_state(torch.load(tmp_path / f"run.r{r}", weights_only=True), reference[r])
+        fetched = {p.name for p in (tmp_path / "local" / f"node{r}" / "manifests").glob(f"{newest:012d}-*")}
+        assert fetched and all(n.endswith(f"-r{r}.json") for n in fetched), (r, fetched)
+
+
+@pytest.mark.slow
 def test_upload_killed_between_the_ranks_parts_leaves_no_remote_commit(
     tmp_path, s3, moto, env_base, reference
 ):

@@ -212,7 +212,7 @@ class Ranks:
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.dir_id = dir_id  # this rank's disk
-        self.dirs: list[str] = []  # every rank's disk id, learnt at the first save
+        self._gc = False  # this rank collects its disk's garbage (learnt at the first save)
         self._point = 0  # the next agreed decision step
         self._decide_cost = 0.0  # what the collective costs (smoothed)
         self._urgent = False  # this rank's memory needs a save (sent at the next decision step)
@@ -282,12 +282,12 @@ class Ranks:
         return Verdict(chosen, None, None, spacing=spacing, agreed=True)
 
     def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo:
-        info, self.dirs = persist_distributed(persister, snap, self.comm, self.dir_id, hold_gc)
+        info, self._gc = persist_distributed(persister, snap, self.comm, self.dir_id, hold_gc)
         return info
 
     def collects_garbage(self) -> bool:
         """The lowest rank of every disk collects that disk's garbage (node-local dirs included)."""
-        return self.rank in distributed.dir_leaders(self.dirs)
+        return self._gc
 
     def load(
         self,

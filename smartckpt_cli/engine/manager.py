@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from smartckpt_cli.config import Settings, load_settings
-from smartckpt_cli.engine import heartbeat
+from smartckpt_cli.engine import ddp_layout, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
@@ -222,6 +222,9 @@ class CheckpointManager(StepPath, SavePath):
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
+        # Why the steps after the last restore may not be bit-exact with an uninterrupted run
+        # (one line each, also logged; ddp_layout.py); empty when nothing is known to differ.
+        self.resume_limits: list[str] = []
         for observer in self._observers:
             observer.on_start(self.store_id)
 
@@ -323,6 +326,10 @@ class CheckpointManager(StepPath, SavePath):
         ``names``; returns its step. The manager counts from that step on."""
         objects = self._objects if names is None else {n: self._objects[n] for n in names}
         apply_checkpoint(loaded, objects)
+        if loaded.manifest.get("resharded_from") is None:  # same world size: bit-exact (ddp_layout.py)
+            meta = loaded.manifest.get("meta", {}).get(ddp_layout.DDP_META)
+            where = (self._coord.world, self._coord.rank)
+            self.resume_limits = ddp_layout.restore(meta, objects, *where, int(loaded.record.step))
         if self.last_restore is not loaded.manifest:
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smartckpt_cli.config import Settings
-from smartckpt_cli.engine import distributed, heartbeat
+from smartckpt_cli.engine import ddp_layout, distributed, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
@@ -212,6 +212,8 @@ class SavePath:
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
         snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
+        if ddp := ddp_layout.record(self._objects):  # DDP's gradient buckets (ddp_layout.py)
+            snap.meta[ddp_layout.DDP_META] = ddp
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
@@ -316,11 +318,13 @@ class SavePath:
             self._unjournalled = [ev for ev in self._unjournalled if id(ev) not in written]
 
     def _retain(self) -> None:
+        leader = self._coord.collects_garbage()  # the lowest rank of every disk
+        if not (leader or self._coord.leads):
+            return  # nothing to do here: no journal read per rank per save (it grows with the ranks)
         state = self.store.journal.read()
         doomed = select_prunable(state.records, self.settings.keep_last)
         if doomed and self._coord.leads:  # one rank prunes the journal
             prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
-        leader = self._coord.collects_garbage()  # the lowest rank of every disk
         pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
         if leader and (doomed or pruned > self._pruned_seen):
             self._pruned_seen = pruned
