@@ -42,13 +42,14 @@ ENV_LOADED = "SMARTCKPT_HOOKS_LOADED"
 STACK_SIGNAL_NAME = "SIGQUIT"  # registered with faulthandler by the hooks; only sent when live
 
 # Heartbeat states.
-STARTING, TRAINING, SAVING, RESTORING, DONE = 0, 1, 2, 3, 4
+STARTING, TRAINING, SAVING, RESTORING, DONE, WAITING = 0, 1, 2, 3, 4, 5
 STATE_NAMES = {
     STARTING: "starting",
     TRAINING: "training",
     SAVING: "saving",
     RESTORING: "restoring",
     DONE: "done",
+    WAITING: "waiting for the remote",  # nothing local to resume, the remote unreachable (yet)
 }
 
 # wall time (time.time), monotonic-free on purpose: the supervisor compares it with its own

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 __all__ = [
     "EXIT_ERROR",
+    "EXIT_REMOTE_UNREACHABLE",
     "EXIT_USAGE",
     "CheckpointCorrupt",
     "ConfigError",
     "JournalError",
     "NoCheckpointError",
     "NotAStoreError",
+    "RemoteStartRefused",
     "SmartckptError",
     "StateMismatchError",
     "StoreLockedError",
@@ -69,6 +71,15 @@ class CheckpointCorrupt(SmartckptError):
     def __init__(self, message: str, *, tier: str | None = None) -> None:
         super().__init__(message)
         self.tier = tier
+
+
+class RemoteStartRefused(SmartckptError):
+    """Nothing to resume locally and the remote tier unreachable for ``remote_start_wait``: the run
+    does not start over at step 0 (its checkpoints may be on the remote). ``smartckpt run`` stops
+    with :data:`EXIT_REMOTE_UNREACHABLE`."""
+
+
+EXIT_REMOTE_UNREACHABLE = 5
 
 
 class UnsafePathError(SmartckptError, OSError):

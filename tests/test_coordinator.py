@@ -256,8 +256,10 @@ def test_rank0_plans_each_rank_its_own_refs_and_who_collects_garbage() -> None:
 def test_rank0_reads_every_ranks_restore_verdict_once_for_all() -> None:
     from smartckpt_cli.engine.multirank import _restore_outcome
 
-    assert _restore_outcome([None, None, None]) == {"refused": None, "bad": None}
+    assert _restore_outcome([None, None, None]) == {"failed": None, "refused": None, "bad": None}
     bad = _restore_outcome([None, ["corrupt", "blob x"], None, ["corrupt", "gone"]])
-    assert bad == {"refused": None, "bad": "rank 1: blob x; rank 3: gone"}
+    assert bad == {"failed": None, "refused": None, "bad": "rank 1: blob x; rank 3: gone"}
     refused = _restore_outcome([["corrupt", "x"], ["refused", "shape"], ["refused", "other"]])
     assert refused["refused"] == [1, "shape"]
+    failed = _restore_outcome([None, ["corrupt", "x"], ["error", "MemoryError: out"]])
+    assert failed["failed"] == "rank 2: MemoryError: out"  # every rank stops with rank 2's error

@@ -186,7 +186,10 @@ def test_remote_down_never_blocks_training_and_backlog_goes_up_later(
     extra = s3_env(port)
     url = "s3://late/run"
     store = tmp_path / "store"
-    env = _env(child_env, url, extra, remote_close_wait=90)
+    # A new run started deliberately while the remote is down (remote_start_fresh: without it a
+    # start with nothing local waits for the remote, test_remote_outage.py); mid-run the outage
+    # must cost training nothing.
+    env = _env(child_env, url, extra, remote_close_wait=90, remote_start_fresh=1)
     proc = subprocess.Popen(
         _train(python, store, 200, tmp_path / "final.pt", every=5, step_time=0.05),
         env=env,

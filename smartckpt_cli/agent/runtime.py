@@ -30,8 +30,9 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -39,10 +40,12 @@ from smartckpt_cli.engine.heartbeat import (
     beat,
     heartbeat_state,
     hooks_state,
+    protocol,
     register_exit,
     run_dir,
     set_done_at_exit,
 )
+from smartckpt_cli.errors import EXIT_REMOTE_UNREACHABLE, RemoteStartRefused
 
 if TYPE_CHECKING:
     from smartckpt_cli.agent.zerocode import ZeroCode
@@ -104,6 +107,9 @@ def install_hooks() -> None:
 
     register_optimizer_step_pre_hook(_pre_hook)
     register_optimizer_step_post_hook(_post_hook)
+    from smartckpt_cli.agent.zerocode import stamp_creation
+
+    stamp_creation()  # a creation order, the same in every run, for zero-code's names
     torch.Tensor.backward = _remember_loss(torch.Tensor.backward)  # type: ignore[method-assign]
     torch.autograd.backward = _remember_loss(torch.autograd.backward)
 
@@ -127,6 +133,8 @@ def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         zc = _zc if _zc is not None else _arm(via_start_step=False)
         if zc is not None:
             zc.before_step(optimizer)
+    except RemoteStartRefused as err:
+        _refuse_start(err)  # never train on from step 0 while the run's checkpoints may be on the remote
     except Exception as err:
         _disable("optimizer step", err)
 
@@ -141,6 +149,22 @@ def _post_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         _zc.after_step(optimizer)
     except Exception as err:
         _disable("optimizer step", err)
+
+
+def _refuse_start(err: RemoteStartRefused) -> NoReturn:
+    """End this process with its one line and exit code 5: the run's checkpoints may be on a
+    remote that cannot be reached, and training from step 0 would orphan them. The error file
+    tells ``smartckpt run`` why (it stops, and says so); no traceback: nothing failed."""
+    sys.stderr.write(f"smartckpt: {err}\n")
+    where = run_dir()
+    if where is not None:
+        with contextlib.suppress(OSError):
+            proto = protocol()
+            proto.write_json(
+                proto.error_path(where, os.getpid()),
+                {"type": type(err).__name__, "message": str(err), "time": time.time()},
+            )
+    raise SystemExit(EXIT_REMOTE_UNREACHABLE)
 
 
 def _disable(what: str, err: BaseException) -> None:
@@ -187,6 +211,8 @@ def start_step() -> int:
     try:
         install_hooks()
         zc = _zc if _zc is not None else _arm(via_start_step=True)
+    except RemoteStartRefused as err:
+        _refuse_start(err)  # never a silent start over at step 0: smartckpt run stops with exit code 5
     except Exception as err:
         _disable("start_step", err)
         return 0

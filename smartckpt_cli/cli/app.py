@@ -278,6 +278,19 @@ def run_cmd(
             help="Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and restore from it."
         ),
     ] = None,
+    remote_start_wait: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to wait for an unreachable remote when nothing is local to resume (default 300)."
+        ),
+    ] = None,
+    remote_start_fresh: Annotated[
+        bool | None,
+        typer.Option(
+            "--remote-start-fresh/--no-remote-start-fresh",
+            help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
+        ),
+    ] = None,
 ) -> None:
     """Run a training script under smartckpt: checkpoints without code changes, restarts after
     crashes from the newest verified checkpoint.
@@ -298,6 +311,8 @@ def run_cmd(
       2        bad input (a missing script, a bad option or setting)
       3        gave up: max_restarts reached
       4        crash loop: the same failure after a rollback to the previous checkpoint
+      5        nothing to resume locally and the remote unreachable for --remote-start-wait:
+               not started over at step 0 (--remote-start-fresh does, deliberately)
     """
     from smartckpt_cli.cli.run import run_command
 
@@ -307,6 +322,8 @@ def run_cmd(
         "hang_timeout": hang_timeout,
         "requeue": requeue,
         "remote": remote,
+        "remote_start_wait": remote_start_wait,
+        "remote_start_fresh": remote_start_fresh,
     }
     raise typer.Exit(run_command(list(command or []), overrides, config, every))
 

@@ -72,6 +72,7 @@ def inspect(
         ("unique", "right"),
         ("shared", "right"),
         ("verified", "left"),
+        ("blobs checked", "left"),
         ("state", "left"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -91,6 +92,7 @@ def inspect(
             human(r.bytes_unique) if on_disk else "-",
             human(r.bytes_shared) if on_disk else "-",
             escape(verified),
+            _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
             r.state,
         )
     out().print(table)
@@ -103,6 +105,14 @@ def inspect(
         say(f"{len(catalog.failures)} failed save(s); last: {last.get('error', '?')}", error=True)
     if remote_view is not None:
         say(_remote_line(remote_view))
+
+
+def _checked_cell(utc: str | None, how: str | None) -> str:
+    """The oldest blob check as ``12-06 01:57`` (``written`` when never re-hashed since)."""
+    if utc is None:
+        return "-"
+    short = utc[5:16].replace("T", " ")
+    return short if how == "checked" else f"{short} written"
 
 
 def _remote_view(store: object, url: str | None) -> dict[str, object] | None:
@@ -159,7 +169,13 @@ def _render_detail(detail: object) -> None:
         + (" (rank 0's part)" if r.world_size > 1 else "")
         + f", {human(r.bytes_unique)} "
         f"unique, {human(r.bytes_shared)} shared; verified: {r.verified}"
-        + (f" ({r.verified_utc})" if r.verified_utc else ""),
+        + (f" ({r.verified_utc})" if r.verified_utc else "")
+        + (
+            f"; oldest blob check {r.blobs_checked_utc}"
+            + (" (when written; never re-hashed since)" if r.blobs_checked_how == "written" else "")
+            if r.blobs_checked_utc
+            else ""
+        ),
         markup=False,
     )
     console.print("objects: " + ", ".join(f"{n} ({k})" for n, k in detail.objects.items()), markup=False)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from smartckpt_cli import errors
 from smartckpt_cli.engine import distributed
 from smartckpt_cli.engine.cadence import decide_gap
 from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
@@ -231,9 +232,15 @@ class Ranks:
                 opened = open_store()
             except BaseException as err:
                 opened = err
-        shared = self.comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
-        if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
-            raise SmartckptError(shared)  # every rank fails the same way, none waits forever
+        kind = type(opened).__name__ if isinstance(opened, SmartckptError) else "SmartckptError"
+        shared = self.comm.broadcast(opened if isinstance(opened, str) else (kind, f"rank 0: {opened}"))
+        if not isinstance(opened, BaseException) and not isinstance(shared, str):
+            # every rank fails the same way (the same class: a refused start stops every rank
+            # with smartckpt run's exit code 5), none waits forever
+            cls = getattr(errors, shared[0], SmartckptError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, SmartckptError) else SmartckptError)(
+                shared[1]
+            )
         distributed.guard_destroy(owner)
         if isinstance(opened, BaseException):
             raise opened
@@ -335,12 +342,12 @@ def _resharded(
     return loaded
 
 
-def make_coordinator(setting: str, root: Path) -> Coordinator:
+def make_coordinator(setting: str, root: Path, timeout: float | None = None) -> Coordinator:
     """The coordinator of this process: :class:`Ranks` in a multi-rank ``torch.distributed``
     world (``setting``: the ``distributed`` setting, ``auto`` or ``off``), else
     :class:`SingleProcess`. A remote tier works with either (remote/parts.py: each rank uploads
     its own part, rank 0 commits the step once every part is remote)."""
-    comm = distributed.detect(setting)
+    comm = distributed.detect(setting, timeout)
     if comm is None:
         return SingleProcess()
     return Ranks(comm, distributed.dir_id(root))

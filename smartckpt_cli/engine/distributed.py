@@ -185,8 +185,10 @@ def _decode(buf: torch.Tensor) -> Any:
     return json.loads(buf.numpy().tobytes())
 
 
-def detect(setting: str = "auto") -> Comm | None:
-    """The Comm of a multi-rank run, or None for one process. ``setting``: ``auto`` or ``off``."""
+def detect(setting: str = "auto", timeout: float | None = None) -> Comm | None:
+    """The Comm of a multi-rank run, or None for one process. ``setting``: ``auto`` or ``off``;
+    ``timeout``: seconds a rank waits in smartckpt's own collectives (the ``rank_timeout``
+    setting; a rank that died breaks them at once, one that hangs is given up on after it)."""
     if setting == "off":
         return None
     import torch.distributed as dist
@@ -205,8 +207,9 @@ def detect(setting: str = "auto") -> Comm | None:
     if world <= 1:
         return None
     # Every rank creates the groups in the same order (a collective call each).
-    decide = dist.new_group(backend="gloo", timeout=TIMEOUT)
-    commit = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    wait = TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
+    decide = dist.new_group(backend="gloo", timeout=wait)
+    commit = dist.new_group(backend="gloo", timeout=wait)
     return Comm(dist.get_rank(), world, decide, commit)
 
 

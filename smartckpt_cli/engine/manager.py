@@ -55,6 +55,7 @@ from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.store.directory import StoreDir, open_store
+from smartckpt_cli.store.scrub import Scrubber, ScrubBook
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
@@ -128,7 +129,7 @@ class CheckpointManager(StepPath, SavePath):
         # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
         # lock and the journal, the others follow it. Restores look in the local store, or in
         # the remote tier too, which also hears of every commit (observers.py).
-        self._coord = make_coordinator(s.distributed, self.store.root)
+        self._coord = make_coordinator(s.distributed, self.store.root, s.rank_timeout)
         self._source: CheckpointSource = LocalSource()
         self._observers: list[CommitObserver] = []
         self._pruned_seen = 0
@@ -169,7 +170,11 @@ class CheckpointManager(StepPath, SavePath):
         # Whether step() beats the heartbeat of `smartckpt run`; zero-code mode beats from its own
         # optimizer hook, one step ahead of the manager, and turns this off.
         self.heartbeat = True
-        self._trace = TraceWriter(self.store.meta_root)
+        self._trace = TraceWriter(
+            self.store.meta_root,
+            on_error=lambda err: self._io_event("trace", err),
+            on_recovered=lambda: self._io_event("trace", None),
+        )
         self._preempt = PreemptionWatch(s.signal_names, usr_continue=s.usr_continue)
         self._last_step = 0
         self._last_loss: torch.Tensor | float | None = None
@@ -180,6 +185,7 @@ class CheckpointManager(StepPath, SavePath):
         self._pre_reading: SignalReading | None = None
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
+        self._precursor_refused: set[str] = set()
         # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
         self._cost = SaveCost()
         self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}
@@ -197,6 +203,7 @@ class CheckpointManager(StepPath, SavePath):
             workers=s.n_workers,
             nice=s.background_nice,
         )
+        self._persister.scrub = Scrubber(ScrubBook(self.store.meta, self._coord.rank))
         self._saver = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="smartckpt-save",
@@ -207,6 +214,7 @@ class CheckpointManager(StepPath, SavePath):
         self._meta = base_meta()
         self._stats = SaveStats()
         self._stats_lock = threading.Lock()
+        self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
         # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
         # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
         self._committed: tuple[int | None, float] = (None, time.monotonic())
@@ -348,6 +356,15 @@ class CheckpointManager(StepPath, SavePath):
         with self._stats_lock:
             return list(self._stats.skipped)
 
+    def _io_event(self, what: str, err: OSError | None) -> None:
+        """A write on the loop's path (the trace) that failed, or works again: one journal line
+        each, when the journal can be written (the log has it either way); never raises."""
+        event: dict[str, Any] = {"event": "io_error" if err else "io_ok", "what": what}
+        if err is not None:
+            event["error"] = f"{type(err).__name__}: {err}"[:300]
+        if self._coord.leads:
+            self._journal_event(event)
+
     def close(self) -> list[str]:
         """Wait for the save in flight, stop the background threads, release the store.
         Returns the failures of background saves (also logged)."""
@@ -357,6 +374,8 @@ class CheckpointManager(StepPath, SavePath):
         try:
             with heartbeat.heartbeat_state("SAVING"):
                 self.wait()
+                if self._unjournalled:
+                    self._journal_event()  # failures the journal could not take when they happened
                 for observer in self._observers:
                     observer.on_close()
         finally:

@@ -47,13 +47,17 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.storage.base import Storage
 
-__all__ = ["NotCommitted", "persist_distributed", "restore_distributed"]
+__all__ = ["NotCommitted", "RankFailed", "persist_distributed", "restore_distributed"]
 
 logger = logging.getLogger(__name__)
 
 
 class NotCommitted(SmartckptError):
     """A multi-rank save in which some rank's part did not become durable."""
+
+
+class RankFailed(SmartckptError):
+    """One rank's error, raised on every rank (it names the rank and the error)."""
 
 
 def _digest(item: Any) -> str:
@@ -245,7 +249,9 @@ def restore_distributed(
     """The newest of ``records`` (rank 0's list, newest first) that every rank can load; ``load``
     (record -> Loaded) loads this rank's part, resharded when the checkpoint was written at another
     world size. Returns None when there is none; raises StateMismatchError on every rank when any
-    rank's state cannot be carried (one rank refusing alone would leave the others waiting)."""
+    rank's state cannot be carried, and RankFailed on every rank when any rank's load raised
+    anything else (a MemoryError in an elastic read, a bug): one rank failing alone would leave
+    the others waiting in the next collective until its timeout."""
     ids = comm.broadcast([r.id for r in records])
     by_id = {r.id: r for r in records}
     tried: list[str] = []
@@ -257,13 +263,20 @@ def restore_distributed(
             verdict = ["corrupt", "not in this rank's view of the journal"]
         else:
             try:
+                fault_fail("rank.restore")
                 loaded = load(rec)
             except CheckpointCorrupt as err:
                 verdict = ["corrupt", str(err)]
             except StateMismatchError as err:
                 verdict = ["refused", str(err)]
+            except Exception as err:  # whatever it is, every rank hears of it at once
+                verdict = ["error", f"{type(err).__name__}: {str(err)[:300]}"]
+                logger.error("rank %d: restoring step %d failed", comm.rank, rec.step, exc_info=err)
         verdicts = comm.to_root(verdict)
         outcome = comm.broadcast(_restore_outcome(verdicts) if verdicts is not None else None)
+        if outcome["failed"] is not None:
+            step_name = rec.step if rec is not None else "?"
+            raise RankFailed(f"{outcome['failed']} (restoring step {step_name}); every rank stops")
         if outcome["refused"] is not None:
             r, why = outcome["refused"]
             raise StateMismatchError(why if r == comm.rank else f"rank {r}: {why}")
@@ -287,11 +300,14 @@ def restore_distributed(
 
 
 def _restore_outcome(verdicts: list[list[str] | None]) -> dict[str, Any]:
-    """Rank 0's reading of every rank's verdict on one candidate: the first refusal (every rank
-    raises it), or the problems (every rank falls back), or neither (every rank applies it)."""
+    """Rank 0's reading of every rank's verdict on one candidate: any rank's error (every rank
+    stops with it), the first refusal (every rank raises it), or the problems (every rank falls
+    back), or none (every rank applies it)."""
+    failed = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None and v[0] == "error"]
     refused = [[r, v[1]] for r, v in enumerate(verdicts) if v is not None and v[0] == "refused"]
     bad = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None]
     return {
+        "failed": "; ".join(f"rank {r}: {why}" for r, why in failed) if failed else None,
         "refused": refused[0] if refused else None,
         "bad": "; ".join(f"rank {r}: {v}" for r, v in bad) if bad else None,
     }

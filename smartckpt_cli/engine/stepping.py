@@ -80,6 +80,7 @@ class StepPath:
     _pre_reading: SignalReading | None
     _pre_hooks: int
     _pre_saved: tuple[SaveHandle, str] | None
+    _precursor_refused: set[str]  # reasons a save before the update was not taken (logged once each)
     _optimizers: list[Any]
     _objects: dict[str, tuple[str, Any]]
     _lazy_snapshot: Any
@@ -104,6 +105,7 @@ class StepPath:
     heartbeat: bool
     # the manager's own
     _save: Callable[..., SaveHandle]
+    _save_failed: Callable[[int, BaseException], str]
     _preempted: Callable[[int, int, StepResult], StepResult]
 
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
@@ -128,9 +130,7 @@ class StepPath:
             try:
                 self._before_update(step)
             except Exception as err:  # never break the user's optimizer.step()
-                logger.warning("save before the optimizer update failed: %s", err)
-                with self._stats_lock:
-                    self._stats.failures.append(f"step {self._last_step}: {err}")
+                self._save_failed(self._last_step, err)
 
     def _launch(self, step: int) -> None:
         """Start the evaluation of ``step``: the memory ceiling read on the host, the signals'
@@ -159,6 +159,14 @@ class StepPath:
         prev = self._last_step
         objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
         if objects is None or busy:
+            why = self._boundary.why_not if objects is None else None
+            if why is not None and why not in self._precursor_refused:
+                self._precursor_refused.add(why)
+                logger.warning(
+                    "no save before the update of step %d: %s; the alarm is taken at the step boundary",
+                    step,
+                    why,
+                )
             return  # the alarm stays pending: step() takes it, after the update
         self._last_reading = reading
         handle = self._save(prev, decision, lazy=False, objects=objects)
@@ -280,7 +288,17 @@ class StepPath:
             or step >= self._coord.next_point
         ):
             t0 = time.monotonic()
-            decision = self._consult(step, reading)
+            try:
+                decision = self._consult(step, reading)
+            except Exception as err:
+                # A failing evaluation must neither raise into the loop nor keep this rank from the
+                # decision collective below (the other ranks would wait for it): no save wished
+                # at this step, reported once per cause.
+                decision = NO
+                cause = f"{type(err).__name__}: {err}"
+                if cause not in self._precursor_refused:
+                    self._precursor_refused.add(cause)
+                    logger.error("step %d: the trigger's evaluation failed (%s); no save wished", step, cause)
             if reading is not None:
                 reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
                 self._trace.add(reading, decision.score, reason)
@@ -311,8 +329,8 @@ class StepPath:
             self._preempt.take()
             return self._preempted(step, signum, result)
         if decision.save:
-            result.saved, result.reason = True, decision.reason
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
+            result.saved, result.reason = result.handle.error is None, decision.reason
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None

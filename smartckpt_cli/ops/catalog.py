@@ -14,6 +14,8 @@ are rank 0's part.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +23,8 @@ from smartckpt_cli.errors import CheckpointCorrupt, UsageError
 from smartckpt_cli.store.checkpoints import candidates, read_manifest
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.names import blob_rel
+from smartckpt_cli.store.scrub import ScrubBook
 
 __all__ = [
     "Catalog",
@@ -60,6 +64,10 @@ class Row:
     world_size: int = 1  # ranks that wrote it (journal)
     sharded: int = 0  # DTensor entries sharded over them (rank 0's part: its skeletons)
     sharding: str = "-"  # e.g. "S0×12"; "-" for none, "?" when the manifest is unreadable
+    # The least recently checked of its blobs: when a save's scrub or `verify` last re-hashed it
+    # ("checked"), or, for one never re-hashed since, when it was written ("written").
+    blobs_checked_utc: str | None = None
+    blobs_checked_how: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
@@ -178,6 +186,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         except OSError as err:
             problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:
@@ -191,6 +200,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         ver = checked.get(rec.id)
         meta = m.get("meta", {})
         n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
+        checked_utc, checked_how = checks.oldest(list(blobs)) if blobs else (None, None)
         rows.append(
             Row(
                 step=rec.step,
@@ -214,9 +224,40 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 world_size=world_size(rec),
                 sharded=n_sharded,
                 sharding=sharding,
+                blobs_checked_utc=checked_utc,
+                blobs_checked_how=checked_how,
             )
         )
     return Catalog(state.store_id, rows, state.problems, state.failures)
+
+
+class _BlobChecks:
+    """When each blob was last re-hashed (the scrub book), else when it was written (its file's
+    modification time)."""
+
+    def __init__(self, store: StoreDir) -> None:
+        self.store = store
+        self.book = ScrubBook(store.meta)
+        self._written: dict[str, float | None] = {}
+
+    def _when(self, bid: str) -> tuple[float, str] | None:
+        checked = self.book.checked.get(bid)
+        if checked is not None:
+            return checked, "checked"
+        if bid not in self._written:
+            try:
+                self._written[bid] = os.stat(self.store.storage.path(blob_rel(bid))).st_mtime
+            except (OSError, ValueError):
+                self._written[bid] = None
+        written = self._written[bid]
+        return None if written is None else (written, "written")
+
+    def oldest(self, bids: list[str]) -> tuple[str | None, str | None]:
+        found = [w for w in (self._when(b) for b in bids) if w is not None]
+        if not found:
+            return None, None
+        when, how = min(found)
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)), how
 
 
 @dataclass

@@ -31,13 +31,17 @@ class BlobStore:
     def has(self, bid: str) -> bool:
         return self.storage.exists(self.rel(bid))
 
-    def begin(self, data: Buffer | Sequence[Buffer], bid: str | None = None) -> tuple[str, Pending | None]:
+    def begin(
+        self, data: Buffer | Sequence[Buffer], bid: str | None = None, *, rewrite: bool = False
+    ) -> tuple[str, Pending | None]:
         """Start storing ``data`` (one buffer, or pieces to be concatenated); returns (id, pending
         write), or (id, None) when the blob already exists. The caller finishes the pending
-        writes, then makes their directories durable (``sync_dirs``) before committing."""
+        writes, then makes their directories durable (``sync_dirs``) before committing.
+        ``rewrite``: write it although a file of that name exists (a damaged copy, which the new
+        file replaces atomically)."""
         if bid is None:
             bid = blob_id(data) if isinstance(data, bytes | bytearray | memoryview) else parts_id(data)
-        if self.has(bid):
+        if not rewrite and self.has(bid):
             return bid, None
         return bid, self.storage.begin(self.rel(bid), data)
 

@@ -331,15 +331,21 @@ class Journal:
         except OSError as err:
             raise JournalError(f"cannot read journal {self.path}: {err.strerror or err}") from err
         lines = raw.split(b"\n")
-        if lines[-1] == b"":  # a complete file ends with a newline
-            lines = lines[:-1]
+        whole = lines[-1] == b""  # a complete file ends with a newline
+        lines = lines[:-1] if whole else lines
         decoded = [(f"{self.path} line {n}", decode_line(line)) for n, line in enumerate(lines, start=1)]
+        if not whole:
+            # A line is appended with its newline in one write; a last line without it was cut
+            # short (a crash, a short write on a full disk), even when its crc matches: it is a
+            # torn line, not a commit, for every reader, and the next append cuts it off.
+            decoded[-1] = (decoded[-1][0], None)
         return replay(decoded, str(self.path), torn_tail=True)
 
     def _drop_torn_tail(self) -> None:
-        """A writer that died mid-append leaves an unterminated last line. It never committed
-        anything (its crc cannot match), so the one writing process cuts it off before
-        appending; left in place it would read as damage in the middle of the journal."""
+        """A writer that died mid-append (or a short write) leaves an unterminated last line. A
+        line without its newline is never a commit for any reader (``read_events``), so the one
+        writing process cuts it off before appending: the next line starts on a line of its own,
+        and nothing committed is ever cut. Left in place it would read as damage in the middle."""
         path = self.storage.path(JOURNAL)
         try:
             size = path.stat().st_size

@@ -146,6 +146,8 @@ class Supervisor:
                 return self._finish("stopped", outcome.exit_code, f"child {outcome.cause}")
             if outcome.action == "preempted":
                 return self._preempted(outcome.exit_code, outcome.cause)
+            if outcome.action == "stop" and outcome.category == "remote-unreachable":
+                return self._finish("remote-unreachable", outcome.exit_code, outcome.cause, "error")
             if outcome.action == "stop":
                 return self._finish(
                     "failed", outcome.exit_code, f"not restarting: the child {outcome.cause}", "error"

@@ -53,7 +53,7 @@ def observe(
 ) -> None:
     """One poll's heartbeats: the slowest rank's step to the hang clock, the leader's to the view."""
     step = min(b.step for b in beats)
-    paused = any(b.state in (proto.SAVING, proto.RESTORING) for b in beats)
+    paused = any(b.state in (proto.SAVING, proto.RESTORING, proto.WAITING) for b in beats)
     clock.observe(step, paused, now)
     lead = min(beats, key=lambda b: (b.rank if b.rank >= 0 else 0, b.pid))
     state.heartbeat = True

@@ -110,7 +110,8 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return PendingWrite(fd, tmp, final, "blob" if rel.startswith("blobs/") else "manifest")
+        kind = "blob" if rel.startswith("blobs/") else "manifest" if rel.startswith("manifests/") else "file"
+        return PendingWrite(fd, tmp, final, kind)
 
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
         pending = self.begin(rel, data)
@@ -135,19 +136,29 @@ class LocalStorage:
             _fsync_dir(self.path(d))
 
     def append(self, rel: str, data: bytes) -> None:
+        """Append every byte of ``data`` and fsync, or fail leaving the file as it was.
+
+        ``os.write`` may write less than asked (a full disk, NFS, FUSE): it is called until every
+        byte is written. When a write or the fsync fails, the file is cut back to its size before
+        the append, so a line that is not durable is never left for a reader to take as whole."""
         path = self.path(rel)
         created = not path.exists()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            # os.write may write less than asked (a full disk, NFS, FUSE): loop until every byte
-            # is written, or raise. A short append must never pass for a whole one.
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"append to {path} wrote nothing")
-                view = view[n:]
-            os.fsync(fd)
+            before = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"append to {path} wrote nothing")
+                    view = view[n:]
+                os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+                    os.fsync(fd)
+                raise
         finally:
             os.close(fd)
         if created:
