@@ -45,6 +45,8 @@ from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.ramtier import RamTier
+from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.snapshot import Stager
@@ -193,6 +195,12 @@ class CheckpointManager(StepPath, SavePath):
         self._hooks: list[Any] = []
         self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
         self._stager = Stager()
+        # Under smartckpt run: the RAM tier, staging in shared memory that outlives this process
+        # (ramtier.py); RAM snapshots are due from this monotonic time on.
+        self._ram = RamTier.open(s, self.store_id, self._coord.rank, self._coord.world)
+        self._ram_due = math.inf
+        self.restored_from: str | None = None  # "ram" | "disk" | "remote": where the last restore read
+        self._first_step_report = False  # report the first step after a restore (smartckpt run)
         self._persister = Persister(
             self.store.storage,
             self.store.blobs,
@@ -300,8 +308,14 @@ class CheckpointManager(StepPath, SavePath):
             return self._restore(include_unhealthy)
 
     def _restore(self, include_unhealthy: bool) -> int:
+        began = time.time()
         loaded = self.read(include_unhealthy=include_unhealthy)
-        return self.apply(loaded) if loaded is not None else 0
+        step = self.apply(loaded) if loaded is not None else 0
+        # For smartckpt run's record of a restart: where the state came from and when (the
+        # phases of a recovery: restore, then the first resumed step, which step() reports).
+        report(restored_from=self.restored_from, restore_began=began, restore_done=time.time())
+        self._first_step_report = loaded is not None
+        return step
 
     def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
         """The newest committed checkpoint that verifies, loaded but not applied (None when the
@@ -310,6 +324,14 @@ class CheckpointManager(StepPath, SavePath):
         self.wait()
         state = self.store.journal.read()
         reset = self.settings.on_l2_corrupt == "reset"
+        self.restored_from = None
+        # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
+        # and every chunk verifies (on every rank), else the disk, then the remote, as before.
+        newest = self._source.order(state, include_unhealthy=include_unhealthy)
+        loaded_ram = self._read_ram(newest[0].record.step if newest else -1, include_unhealthy)
+        if loaded_ram is not None:
+            self.restored_from = "ram"
+            return loaded_ram
 
         def read_part(rec: Any) -> Loaded:
             return self._coord.load(
@@ -318,8 +340,34 @@ class CheckpointManager(StepPath, SavePath):
 
         # The newest candidate that verifies (several ranks: on every rank); a local copy that
         # fails is repaired from the remote tier when there is one.
-        order = self._source.order(state, include_unhealthy=include_unhealthy)
-        return self._coord.restore(order, lambda cand: self._source.load(cand, read_part), self.store.root)
+        where: dict[str, str] = {}
+
+        def load(cand: Any) -> Loaded:
+            where[cand.record.id] = "remote" if getattr(cand, "where", "local") != "local" else "disk"
+            return self._source.load(cand, read_part)
+
+        loaded = self._coord.restore(newest, load, self.store.root)
+        if loaded is not None:
+            self.restored_from = where.get(loaded.record.id, "disk")
+        return loaded
+
+    def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
+        """The RAM tier's snapshot, verified, when it is at least as new as ``disk_step``; with
+        several ranks only when every rank has verified one of the same step."""
+        if self._ram is None:
+            return None
+        rec = self._ram.candidate(include_unhealthy=include_unhealthy)
+        loaded = None
+        if rec is not None and int(rec["step"]) >= disk_step:
+            loaded = self._ram.load(rec)
+        step = int(loaded.record.step) if loaded is not None else None
+        if not self._coord.agree_on(step):
+            if loaded is not None:
+                logger.warning(
+                    "smartckpt: the RAM snapshot of step %s is not on every rank; restoring from disk", step
+                )
+            return None
+        return loaded
 
     def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
         """Load ``loaded`` (from :meth:`read`) into the registered objects, all of them or those
@@ -382,6 +430,8 @@ class CheckpointManager(StepPath, SavePath):
             self._closed = True
             self._saver.shutdown(wait=True)
             self._persister.close()
+            if self._ram is not None:
+                self._ram.close()
             self._trace.flush()
             self._memory.close()
             late = self._preempt.take()

@@ -36,6 +36,8 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.ramtier import RamTier
+from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
@@ -104,6 +106,9 @@ class StepPath:
     _beating: bool
     heartbeat: bool
     # the manager's own
+    _ram: RamTier | None
+    _ram_due: float
+    _first_step_report: bool
     _save: Callable[..., SaveHandle]
     _save_failed: Callable[[int, BaseException], str]
     _preempted: Callable[[int, int, StepResult], StepResult]
@@ -240,6 +245,9 @@ class StepPath:
         sig = self._signals
         sig.step_time = self._clock.tick(now, step)
         self._last_step = step
+        if self._first_step_report:  # the first step after a restore: a recovery's last phase
+            self._first_step_report = False
+            report(first_step_done=time.time(), first_step=step)
         # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
         # this step's evaluation; this step's loss joins the next one's window.
         reading, self._pre_reading = self._pre_reading, None
@@ -317,6 +325,7 @@ class StepPath:
                 self._clock.seconds,
                 self._quiet[0],
                 sig.own_spacing(),
+                now >= self._ram_due and not (self._inflight is not None and not self._inflight.done()),
             )
         )
         decision, signum, self._wish = verdict.decision, verdict.signum, verdict.wish
@@ -331,6 +340,8 @@ class StepPath:
         if decision.save:
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
             result.saved, result.reason = result.handle.error is None, decision.reason
+        elif verdict.ram:  # the RAM tier's cadence, apart from the disk's (ramtier.py)
+            self._save(step, Decision(True, "ram"), lazy=bool(self._optimizers), ram_only=True)
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
@@ -352,7 +363,7 @@ class StepPath:
         self._keep_from = self._next_eval - self._signals.window - 1
         calm = min(float(self._next_eval - 1), self._quiet[0], self._coord.next_point)
         self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
-        self._calm_time = self._quiet[1]
+        self._calm_time = min(self._quiet[1], self._ram_due)
         # may_save: the step before the evaluation (a save before its update) and the evaluation
         # step (its reading) may save, as may the policy's quiet step and a decision step
         self._record_until = self._calm_step
@@ -390,7 +401,7 @@ class StepPath:
             and self._stats.commits == self._quiet_commits
         ):
             # the step call comes up to a step later (zero-code: the next pre-hook)
-            return time.monotonic() + 2.0 * self._clock.seconds >= self._quiet[1]
+            return time.monotonic() + 2.0 * self._clock.seconds >= min(self._quiet[1], self._ram_due)
         return True
 
     def _prepare_staging(self) -> None:
@@ -400,6 +411,11 @@ class StepPath:
             specs = staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
         except Exception as err:  # the save allocates what it needs, as before
             logger.debug("staging not prepared: %s", err)
+            return
+        # With the RAM tier the staging buffers are its slots, in shared memory (ramtier.py).
+        if self._ram is not None and self._ram.plan(specs, nice=self.settings.background_nice):
+            if not math.isfinite(self._ram_due):
+                self._ram_due = time.monotonic() + self._ram.interval()
             return
         self._stager.prepare(specs, nice=self.settings.background_nice)
 
