@@ -127,7 +127,7 @@ _smartckpt() {
                 --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --resume-finished -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

@@ -96,6 +96,7 @@ complete -c smartckpt -n '__fish_seen_subcommand_from run' -l hang-timeout -x -d
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l requeue -l no-requeue -d 'Requeue the SLURM job after USR1/USR2.'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l config -r -d 'YAML settings file (default ./smartckpt.yaml).'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l remote -x -d 'Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and...'
+complete -c smartckpt -n '__fish_seen_subcommand_from run' -l resume-finished -d 'Start the command even when its last run in --dir finished (it trains on from...'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -s h -l help -d 'Show this message and exit.'
 complete -c smartckpt -f -n '__fish_seen_subcommand_from config; and not __fish_seen_subcommand_from show' -a show -d 'Print every setting\'s effective value and its source: default, the YAML file,'
 complete -c smartckpt -n '__fish_seen_subcommand_from config; and __fish_seen_subcommand_from show' -l config -r -d 'YAML settings file (default ./smartckpt.yaml when present).'

@@ -175,6 +175,7 @@ _smartckpt_run() {
     '--requeue[Requeue the SLURM job after USR1/USR2.]' '--no-requeue[Requeue the SLURM job after USR1/USR2.]' \
     '--config[YAML settings file (default ./smartckpt.yaml).]:config:_files' \
     '--remote[Replicate committed checkpoints here (s3 -//bucket/prefix, file -///path) and...]:remote: ' \
+    '--resume-finished[Start the command even when its last run in --dir finished (it trains on from...]' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     '*:command:_files'
 }

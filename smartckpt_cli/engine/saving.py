@@ -32,6 +32,7 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.resumecheck import ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import SmartckptError
@@ -126,6 +127,9 @@ class SavePath:
     _wish: Decision | None
     _scheduled: tuple[int | None, float]
     _committed: tuple[int | None, float]
+    _check: ResumeCheck
+    _ahead: tuple[int, Any, Any, Any] | None
+    lineage: str | None
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
@@ -184,6 +188,14 @@ class SavePath:
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
         snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
+        if self.lineage is not None:
+            snap.meta["lineage"] = self.lineage
+        # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
+        # of the next step, whose loss and gradients exist already: they go with the checkpoint.
+        ahead = self._ahead
+        next_step: Values | None = None
+        if ahead is not None and ahead[0] == step + 1:
+            next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
@@ -194,10 +206,12 @@ class SavePath:
         self._quiet, self._wish = (-math.inf, -math.inf), None
         self._clock.skip()
         self._uncalm()
-        future = self._saver.submit(self._persist, snap, snap_time)
+        future = self._saver.submit(self._persist, snap, snap_time, next_step)
         handle = SaveHandle(step, future, snap)
         handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
+        if next_step is None:
+            self._check.expect(step + 1, handle)  # taken at step(step + 1), journalled
         return handle
 
     def _guarded_params(self) -> set[int]:
@@ -208,7 +222,9 @@ class SavePath:
             for p in g["params"]
         }
 
-    def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
+    def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
+        if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
+            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
         try:
             info = self._coord.persist(self._persister, snap, self.store.meta_root / GC_LOCK)
         except Exception as err:

@@ -264,6 +264,8 @@ class Persister:
                 "score": snap.score,
                 "bytes_new": written.bytes_new,
                 "bytes_total": written.bytes_total,
+                # the training this checkpoint continues (engine/manager.py: lineage)
+                **({"lineage": snap.meta["lineage"]} if snap.meta.get("lineage") else {}),
                 **(extra or {}),
             }
         )

@@ -25,12 +25,14 @@ from smartckpt_cli.store.journal import CheckpointRecord
 __all__ = [
     "Catalog",
     "EntryRow",
+    "Lineage",
     "ManifestDetail",
     "Row",
     "active_writer",
     "blob_sizes",
     "describe",
     "dtensor_nodes",
+    "lineages",
     "list_checkpoints",
     "sharding_summary",
     "world_size",
@@ -60,6 +62,8 @@ class Row:
     world_size: int = 1  # ranks that wrote it (journal)
     sharded: int = 0  # DTensor entries sharded over them (rank 0's part: its skeletons)
     sharding: str = "-"  # e.g. "S0×12"; "-" for none, "?" when the manifest is unreadable
+    lineage: str | None = None  # the training it continues (commit line; None: before lineages)
+    line: str = "A"  # that lineage's letter, in the order lineages began in the journal
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
@@ -71,14 +75,49 @@ class Catalog:
     rows: list[Row]  # newest first
     journal_problems: list[str]
     failures: list[dict[str, Any]] = field(default_factory=list)
+    lineages: list[Lineage] = field(default_factory=list)  # oldest first
+    resume_checks: list[dict[str, Any]] = field(default_factory=list)  # journal order
 
     def to_json(self) -> dict[str, Any]:
         return {
             "store_id": self.store_id,
             "checkpoints": [r.to_json() for r in self.rows],
+            "lineages": [asdict(x) for x in self.lineages],
+            "resume_checks": self.resume_checks,
             "journal_problems": self.journal_problems,
             "save_failures": self.failures,
         }
+
+
+@dataclass
+class Lineage:
+    """The checkpoints of one training: a run that restored continues the lineage it restored
+    from; one that began at step 0 starts another (engine/manager.py). A restore never falls
+    back from one lineage into another."""
+
+    line: str  # A, B, ... in the order they began in the journal
+    id: str | None
+    checkpoints: int
+    first_step: int
+    last_step: int
+
+
+def lineages(records: list[CheckpointRecord]) -> tuple[list[Lineage], dict[str, str]]:
+    """Pure: the lineages of ``records`` (journal order) and each checkpoint id's letter."""
+    letters: dict[str | None, str] = {}
+    found: dict[str | None, Lineage] = {}
+    by_id: dict[str, str] = {}
+    for rec in sorted(records, key=lambda r: r.position):
+        key = rec.event.get("lineage")
+        if key not in letters:
+            n = len(letters)
+            letters[key] = chr(ord("A") + n) if n < 26 else f"L{n + 1}"
+            found[key] = Lineage(letters[key], key, 0, rec.step, rec.step)
+        got = found[key]
+        got.checkpoints += 1
+        got.last_step = rec.step
+        by_id[rec.id] = letters[key]
+    return list(found.values()), by_id
 
 
 def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
@@ -169,6 +208,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
     target = candidates(state.records)
     target_id = target[0].id if target else None
+    lines, line_of = lineages(state.records)
     manifests: dict[str, dict[str, Any]] = {}
     problems: dict[str, str] = {}
     for rec in records:
@@ -217,9 +257,14 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 world_size=world_size(rec),
                 sharded=n_sharded,
                 sharding=sharding,
+                lineage=rec.event.get("lineage"),
+                line=line_of.get(rec.id, "A"),
             )
         )
-    return Catalog(state.store_id, rows, state.problems, state.failures)
+    checks = [
+        {k: v for k, v in ev.items() if k != "crc"} for ev in events if ev.get("event") == "resume_check"
+    ]
+    return Catalog(state.store_id, rows, state.problems, state.failures, lines, checks)
 
 
 @dataclass
