@@ -53,6 +53,7 @@ from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
@@ -320,7 +321,8 @@ class CheckpointManager(StepPath, SavePath):
         # The newest candidate that verifies (several ranks: on every rank); a local copy that
         # fails is repaired from the remote tier when there is one. Only the newest lineage:
         # falling back into an older one would resume another run's training as if it were this.
-        order = same_lineage(self._source.order(state, include_unhealthy=include_unhealthy))
+        every = self._source.order(state, include_unhealthy=include_unhealthy)
+        order = same_lineage(every)
         where: dict[str, str] = {}
 
         def load(cand: Any) -> Loaded:
@@ -328,7 +330,17 @@ class CheckpointManager(StepPath, SavePath):
             where[got.record.id] = "remote" if getattr(cand, "where", "local") == "remote" else "disk"
             return got
 
-        loaded = self._coord.restore(order, load, self.store.root)
+        try:
+            loaded = self._coord.restore(order, load, self.store.root)
+        except NoCheckpointError as err:
+            older = [c.record.step for c in every if c not in order]
+            if not older:
+                raise
+            raise NoCheckpointError(
+                f"{err}; {len(older)} older checkpoint(s) (newest step {older[0]}) belong to another "
+                "lineage, a training that began again at step 0 after them: not restored in its place "
+                "(smartckpt inspect shows the lineages)"
+            ) from None
         if loaded is None:
             report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
         else:

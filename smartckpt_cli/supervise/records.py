@@ -149,7 +149,10 @@ def runs_without_checkpoints(directory: str | os.PathLike[str]) -> str | None:
     """The line for a directory that holds run records but no checkpoint store (no journal):
     what ran there and why nothing was checkpointed, when the records say; None when there
     are no run records either."""
-    records = read_records(directory)
+    try:
+        records = read_records(directory)
+    except OSError:  # an unreadable directory: the caller's own error says so
+        return None
     if not records:
         return None
     last = max(records, key=lambda r: r.get("started") or 0)
