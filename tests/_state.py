@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,3 +25,9 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         if key in b:
             assert a[key] == b[key], f"{key} state differs"
     assert torch.equal(a["rng"], b["rng"]), "torch RNG state differs at the end"
+
+
+def resume_checks(store: Path) -> list[dict[str, Any]]:
+    """The ``resume_check`` events of a store's journal (engine/resumecheck.py), in order."""
+    lines = (Path(store) / "journal.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == "resume_check"]

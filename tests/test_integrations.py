@@ -85,6 +85,33 @@ def test_hf_trainer_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env
     assert list((tmp_path / "ck" / "manifests").glob("*.json"))
 
 
+def test_hf_trainer_loss_under_gradient_accumulation_is_the_steps_loss(tmp_path, child_env):
+    """The loss smartckpt reads (trace, heartbeat, status line) is the step's, as the Trainer logs
+    it: the sum of what its micro-steps return (each micro-batch's loss / 2 here), not the last
+    micro-step's share."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    env = dict(child_env, SMARTCKPT_EVAL_EVERY="1")
+    out, record = _supervised(HF_SCRIPT, tmp_path, env, 100, "--max-steps", "6", "--grad-accum", "2")
+    assert record["outcome"] == "finished" and "no heartbeat" not in out
+    micro: dict[int, list[float]] = {}
+    for line in out.splitlines():
+        if line.startswith("loss "):
+            _, step, value = line.split()
+            micro.setdefault(int(step), []).append(float.fromhex(value))
+    assert sorted(micro) == list(range(1, 7)) and all(len(v) == 2 for v in micro.values()), micro
+    rows = {}
+    for path in (tmp_path / "ck" / "traces").glob("*.csv"):
+        lines = path.read_text().splitlines()
+        head = lines[0].split(",")
+        for ln in lines[1:]:
+            cells = dict(zip(head, ln.split(","), strict=True))
+            rows[int(cells["step"])] = float(cells["raw_loss"])
+    assert rows, out
+    for step, raw in rows.items():
+        assert raw == pytest.approx(sum(micro[step]) / 2, rel=1e-5), (step, raw, micro[step])
+
+
 def test_lightning_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env):
     pytest.importorskip("pytorch_lightning")
     pytest.importorskip("torchdata")

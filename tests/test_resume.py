@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from smartckpt_cli.cli.demo import run_until
-from tests._state import assert_same_state
+from tests._state import assert_same_state, resume_checks
 
 STEPS = 48
 
@@ -73,6 +73,12 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     assert min(trace) == resumed_from + 1
     assert trace == {n: ref_trace[n] for n in trace}, "loss trace after the resume differs"
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    # The resume check: the step after the restored checkpoint computed what it computed before
+    # (recorded at that step by the killed run, so not when it died within two steps of it).
+    checks = resume_checks(store)
+    assert all(c["verdict"] == "exact" for c in checks), checks
+    if resumed_from and kill_at - resumed_from >= 3:
+        assert [c["step"] for c in checks] == [resumed_from + 1], checks
 
 
 def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
@@ -86,6 +92,7 @@ def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
     trace = _trace(lines)
     assert trace == {n: ref_trace[n] for n in trace}
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    assert [c["verdict"] for c in resume_checks(store)] == ["exact", "exact"]
 
 
 def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, python, reference):
@@ -120,3 +127,5 @@ def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, py
     trace = _trace(lines)
     assert min(trace) == last + 1 and trace == {n: ref_trace[n] for n in trace}
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    # the preemption save was the last step: nothing after it to check against
+    assert resume_checks(store) == []

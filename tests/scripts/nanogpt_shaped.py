@@ -16,7 +16,7 @@ Flags (the smartckpt lines are off by default: the script as a user has it):
   --max-iters N      the loop ends once ``iter_num > N`` (nanoGPT's test, at the bottom)
   --kill-at N        SIGKILL itself after iteration N, on the first attempt only
   --sleep S          seconds per iteration (default 0.02)
-  --out PATH         at the end, torch.save model, optimizer, scaler and best_val_loss
+  --out PATH         at the end, torch.save model, optimizer, scaler, best_val_loss and RNG
 
 Output: ``iter N loss HEX`` per iteration (the step's loss, float.hex), ``eval N HEX`` per
 evaluation, ``done N`` at the end.
@@ -150,6 +150,7 @@ def main() -> int:
                 "optimizer": optimizer.state_dict(),
                 "scaler": scaler.state_dict(),
                 "best_val_loss": best_val_loss,
+                "rng": torch.get_rng_state(),
             },
             args.out,
         )

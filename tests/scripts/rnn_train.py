@@ -9,7 +9,7 @@ Flags:
                  README's change for a hidden state carried across steps)
   --epochs N     (default 4); each epoch has ``NB`` = 7 steps
   --kill-at N    SIGKILL itself after step N (1-based), on the first attempt only
-  --out PATH     at the end, torch.save the model and optimizer state
+  --out PATH     at the end, torch.save the model, optimizer and RNG state
 
 The loop begins at ``smartckpt_cli.start_step()`` (epoch and batch from it).
 Output: ``step N loss HEX`` per step, ``done`` at the end.
@@ -90,7 +90,10 @@ def main() -> int:
         batch0 = 0
     print("done", flush=True)
     if args.out:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, args.out)
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
+            args.out,
+        )
     return 0
 
 
