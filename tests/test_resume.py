@@ -92,7 +92,10 @@ def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
     trace = _trace(lines)
     assert trace == {n: ref_trace[n] for n in trace}
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
-    assert [c["verdict"] for c in resume_checks(store)] == ["exact", "exact"]
+    # the first resume is checked; the second only when the killed run had written the step
+    # after its newest checkpoint down before the kill (a background write racing the SIGKILL)
+    verdicts = [c["verdict"] for c in resume_checks(store)]
+    assert verdicts in (["exact"], ["exact", "exact"]), verdicts
 
 
 def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, python, reference):

@@ -161,7 +161,7 @@ class _NoOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.leaf is None:
-            self.leaf = _first_leaf(loss)
+            self.leaf = _first_leaf(loss) or (lambda: None)  # none found: watch nothing
             return
         p = self.leaf()
         if p is None:

@@ -298,6 +298,7 @@ class ZeroCode:
             return
         self.started = True
         self.loss_done()
+        self.mgr._pre_update_done()
         if self.scalers:  # counted only for the GradScaler's skipped steps (_count_skipped_steps)
             self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
@@ -335,11 +336,10 @@ class ZeroCode:
             return
         scale = getattr(self.scalers[0], "_scale", None) if self.scalers else None
         scale = scale if isinstance(scale, torch.Tensor) else None
+        # Kept until this step's post-hook: the manager's own pre-hook, which runs next, may take
+        # a precursor save of the previous step too.
         self.mgr._pre_update(self.step + 1, self.loss(), scale, optimizer)
-        try:
-            self._step_boundary()
-        finally:
-            self.mgr._pre_update_done()
+        self._step_boundary()
 
     def _step_boundary(self) -> None:
         if self.pending is None:

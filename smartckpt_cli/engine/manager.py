@@ -384,6 +384,11 @@ class CheckpointManager(StepPath, SavePath):
             ),
             "rtol": tolerance(on_cpu_only=on_cpu, deterministic=torch.are_deterministic_algorithms_enabled()),
         }
+        if loaded.manifest.get("resharded_from") is not None:
+            # another world size: every rank trains on other batches than before, by design
+            restored["skip"] = (
+                f"resumed at another world size (from {loaded.manifest['resharded_from']} ranks)"
+            )
         self._check.check(int(rec.step) + 1, restored)
         report(
             start_step=int(rec.step),
@@ -413,7 +418,8 @@ class CheckpointManager(StepPath, SavePath):
     def _pre_update(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
         """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
         loss of ``step`` is known before its update. A save of ``step - 1`` taken before
-        :meth:`_pre_update_done` records it with the checkpoint; after a restore it is checked."""
+        :meth:`_pre_update_done` (the post-hook of ``step``) records it with the checkpoint, a
+        precursor save included; after a restore it is checked."""
         self._ahead = (step, loss, loss_scale, optimizer)
         if self._check.step == step and self._check.restored is not None:
             self._check.grads(optimizer)

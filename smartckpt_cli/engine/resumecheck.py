@@ -241,7 +241,8 @@ class ResumeCheck:
     def __init__(self) -> None:
         self.step = -1  # the step whose values are wanted; -1: none
         self.saved: Any = None  # the SaveHandle of the checkpoint of step - 1 (expect them)
-        self.restored: dict[str, Any] | None = None  # {"id", "step", "expected", "rtol"} (check)
+        # (check) {"id", "step", "expected", "rtol"}, and "skip": why this resume cannot be compared
+        self.restored: dict[str, Any] | None = None
         self.sumsq: torch.Tensor | None = None
         self.taken_grads = False
 
@@ -298,11 +299,13 @@ def check_job(
     got = values.read()
     expected = restored.get("expected")
     rtol = float(restored.get("rtol", 0.0))
-    verdict = judge(expected, got, rtol) if expected else None
+    verdict = judge(expected, got, rtol) if expected and not restored.get("skip") else None
     if verdict is None:
         why = (
-            "the interrupted run recorded nothing after it (it stopped right after that save, or "
-            "the checkpoint predates the check)"
+            str(restored["skip"])
+            if restored.get("skip")
+            else "the interrupted run recorded nothing after it (it stopped right after that save, "
+            "or the checkpoint predates the check)"
             if not expected
             else "no loss and no gradient norm to compare"
         )
