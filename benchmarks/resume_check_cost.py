@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for i in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width)] + ([torch.nn.ReLU()] if i < args.layers - 1 else [])
+        layers += [torch.nn.Linear(args.width, args.width)] + (
+            [torch.nn.ReLU()] if i < args.layers - 1 else []
+        )
     model = torch.nn.Sequential(*layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(args.batch, args.width, device=device)

@@ -89,9 +89,8 @@ def _report(what: str, err: BaseException) -> None:
 
 
 _installed = False
-_last_loss: torch.Tensor | None = (
-    None  # the step's loss: every backward() since the last optimizer step, summed
-)
+# The step's loss: the scalars backward() ran on since the last optimizer step, summed.
+_last_loss: torch.Tensor | None = None
 _fresh = True  # the next backward() starts a new step's loss
 _zc: ZeroCode | None = None
 _off = False  # stood down (a user manager, several ranks) or disabled by an internal error
