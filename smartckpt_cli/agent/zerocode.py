@@ -287,6 +287,7 @@ class ZeroCode:
                 try:
                     self.before_step(optimizer)
                     self.after_step(optimizer)
+                    self.loss_done()  # no optimizer post-hook ran to start the next step's loss
                 except Exception as err:
                     self.on_error("GradScaler step", err)
             return out
@@ -297,8 +298,8 @@ class ZeroCode:
         if id(optimizer) not in self.ids:
             return
         self.started = True
-        self.loss_done()
-        self.mgr._pre_update_done()
+        if self.mgr._ahead is not None:  # set in this step's pre-hook, for a save there
+            self.mgr._pre_update_done()
         if self.scalers:  # counted only for the GradScaler's skipped steps (_count_skipped_steps)
             self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
