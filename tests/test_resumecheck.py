@@ -132,10 +132,15 @@ def test_manager_records_the_step_after_a_save_and_checks_the_resume(tmp_path: P
     with sc.CheckpointManager(store, every_steps=5) as mgr:
         mgr.register(model=model, optimizer=opt)
         _train(model, opt, mgr, range(0, 7))
-    after = [e for e in _journal(store) if e["event"] == "step_after"]
     commit5 = next(e for e in _journal(store) if e["event"] == "commit" and e["step"] == 5)
-    assert [(e["id"], e["step"]) for e in after] == [(commit5["id"], 6)]
-    assert isinstance(after[0]["loss"], float) and after[0]["grad_norm"] > 0
+    # step 6's values: in checkpoint 5's manifest when they came before it was written, else in
+    # the journal after its commit; one of the two, never both
+    manifest = json.loads((store / commit5["manifest"]).read_text())
+    after = [e for e in _journal(store) if e["event"] == "step_after"]
+    assert bool(manifest["meta"].get("next_step")) != bool(after)
+    expected = expected_of(manifest, commit5["id"], lambda: _journal(store))
+    assert expected is not None and isinstance(expected["loss"], float) and expected["grad_norm"] > 0
+    assert not after or [(e["id"], e["step"]) for e in after] == [(commit5["id"], 6)]
 
     # A restore with no step after it checks nothing.
     model2, opt2 = _build()
@@ -159,12 +164,24 @@ def test_manager_records_the_step_after_a_save_and_checks_the_resume(tmp_path: P
         (6, "exact", commit5["id"]),
         (6, "differs", commit5["id"]),
     ]
-    assert (
-        checks[0]["got"]
-        == checks[0]["expected"]
-        == {"loss": after[0]["loss"], "grad_norm": after[0]["grad_norm"]}
-    )
+    assert checks[0]["got"] == checks[0]["expected"] == expected
     assert checks[1]["got"]["loss"] != checks[1]["expected"]["loss"]
+
+
+def test_the_step_after_goes_into_the_manifest_until_it_is_written() -> None:
+    from types import SimpleNamespace
+
+    from smartckpt_cli.engine.resumecheck import NextStepSlot, capture
+
+    slot = NextStepSlot()
+    assert slot.offer(capture(8, torch.tensor(1.5), None, torch.tensor(4.0)))
+    snap = SimpleNamespace(meta={"lineage": "x"})
+    slot.close(snap)  # the writer, right before the manifest
+    assert snap.meta == {"lineage": "x", "next_step": {"step": 8, "loss": 1.5, "grad_norm": 2.0}}
+    assert not slot.offer(capture(8, torch.tensor(1.5), None, None))  # too late: the journal's
+    late = NextStepSlot()
+    late.close(snap := SimpleNamespace(meta={}))
+    assert snap.meta == {}  # nothing came: the manifest has no next_step
 
 
 @pytest.mark.usefixtures("isolated")

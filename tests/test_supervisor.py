@@ -22,7 +22,7 @@ import torch
 
 from smartckpt_cli.store.journal import Journal
 from smartckpt_cli.store.storage.local import LocalStorage
-from tests._state import assert_same_state
+from tests._state import assert_same_state, expectation
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def test_sigkill_at_a_random_step_finishes_bit_exact(tmp_path, child_env, refere
     assert second["start_step"] == first["restart_from"] and second["restored_from"] == "disk"
     check = second["resume_check"]  # recorded at the step after the checkpoint, when it came
     assert check is None or (check["verdict"] == "exact" and check["step"] == second["start_step"] + 1)
-    if kill_at - first["restart_from"] >= 3:
+    if expectation(tmp_path / "ck", first["restart_from"]) is not None:
         assert check is not None, out
     assert "1 restart(s)" in out and "run record:" in out
     # the failure taught an MTBF, handed to the restarted child for its Young/Daly interval

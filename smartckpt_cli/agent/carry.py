@@ -28,6 +28,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from smartckpt_cli.engine.heartbeat import run_dir
+
 __all__ = ["CARRIED", "Carried", "carried", "carry"]
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,9 @@ def carry(**values: Any) -> Any:
     unchanged otherwise. See the module docstring and the README, section "Your loop"."""
     if not values:
         raise TypeError("carry() takes the carried values by name: carry(hidden=hidden)")
+    if run_dir() is None:  # not under smartckpt run: nothing checkpoints them
+        got = list(values.values())
+        return got[0] if len(got) == 1 else tuple(got)
     out = carried.carry(values)
     got = [out[k] for k in values]
     return got[0] if len(got) == 1 else tuple(got)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import torch
 __all__ = [
     "CLOSE_RTOL",
     "FIELDS",
+    "NextStepSlot",
     "ResumeCheck",
     "Values",
     "capture",
@@ -231,6 +233,32 @@ def capture(step: int, loss: Any, scale: Any, sumsq: torch.Tensor | None) -> Val
     return vals
 
 
+class NextStepSlot:
+    """Where the values of the step after a save go while that save's manifest is not written
+    yet (a manager's save: ``step(N+1)`` comes while step N's blobs are being written): then they
+    are in the checkpoint itself, like zero-code mode's. The training thread ``offer``s them; the
+    writer calls ``close`` right before the manifest (save thread); an offer after that is
+    refused, and the values go to the journal instead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: Values | None = None
+        self._closed = False
+
+    def offer(self, values: Values) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            self._values = values
+            return True
+
+    def close(self, snap: Any) -> None:
+        with self._lock:
+            self._closed, values = True, self._values
+        if values is not None:
+            snap.meta = {**snap.meta, "next_step": {"step": values.step, **values.read()}}
+
+
 class ResumeCheck:
     """Armed for one step at a time: after a save of step N (record step N+1's values for that
     checkpoint) and after a restore of step N (compare step N+1's with the expected ones); both
@@ -241,15 +269,16 @@ class ResumeCheck:
     def __init__(self) -> None:
         self.step = -1  # the step whose values are wanted; -1: none
         self.saved: Any = None  # the SaveHandle of the checkpoint of step - 1 (expect them)
+        self.slot: NextStepSlot | None = None  # ... and its manifest's slot for them
         # (check) {"id", "step", "expected", "rtol"}, and "skip": why this resume cannot be compared
         self.restored: dict[str, Any] | None = None
         self.sumsq: torch.Tensor | None = None
         self.taken_grads = False
 
-    def expect(self, step: int, handle: Any) -> None:
+    def expect(self, step: int, handle: Any, slot: NextStepSlot | None = None) -> None:
         if step != self.step:
             self._arm(step)
-        self.saved = handle
+        self.saved, self.slot = handle, slot
 
     def check(self, step: int, restored: dict[str, Any]) -> None:
         self._arm(step)
@@ -257,6 +286,7 @@ class ResumeCheck:
 
     def _arm(self, step: int) -> None:
         self.step, self.saved, self.restored, self.sumsq, self.taken_grads = step, None, None, None, False
+        self.slot = None
 
     def disarm(self) -> None:
         self._arm(-1)
@@ -268,14 +298,17 @@ class ResumeCheck:
             self.sumsq = grad_sumsq(optimizer)
 
     def take(self, step: int, loss: Any, scale: Any) -> tuple[Values, Any, dict[str, Any] | None] | None:
-        """At the armed step: (its values, the save handle to expect them for or None, the
-        restore to check them against or None), and disarmed. None at any other step (a step
+        """At the armed step: (its values, the save handle whose journal should get them or None,
+        the restore to check them against or None), and disarmed; the values go into the save's
+        own manifest instead while its slot still takes them. None at any other step (a step
         past the armed one disarms it: that step was missed)."""
         if step != self.step:
             if step > self.step >= 0:
                 self.disarm()
             return None
-        what = (capture(step, loss, scale, self.sumsq), self.saved, self.restored)
+        values = capture(step, loss, scale, self.sumsq)
+        saved = self.saved if self.slot is None or not self.slot.offer(values) else None
+        what = (values, saved, self.restored)
         self.disarm()
         return what
 

@@ -32,7 +32,7 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
-from smartckpt_cli.engine.resumecheck import ResumeCheck, Values, capture, grad_sumsq
+from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import SmartckptError
@@ -194,8 +194,12 @@ class SavePath:
         # of the next step, whose loss and gradients exist already: they go with the checkpoint.
         ahead = self._ahead
         next_step: Values | None = None
+        slot: NextStepSlot | None = None
         if ahead is not None and ahead[0] == step + 1:
             next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
+        else:  # taken at step(step + 1): into the manifest if still in time, else the journal
+            slot = NextStepSlot()
+            snap.before_manifest = slot.close
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
@@ -211,7 +215,7 @@ class SavePath:
         handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
         if next_step is None:
-            self._check.expect(step + 1, handle)  # taken at step(step + 1), journalled
+            self._check.expect(step + 1, handle, slot)
         return handle
 
     def _guarded_params(self) -> set[int]:

@@ -223,6 +223,8 @@ class Persister:
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
     ) -> bytes:
         """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
+        if snap.before_manifest is not None:
+            snap.before_manifest(snap)
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
