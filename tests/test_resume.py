@@ -28,6 +28,16 @@ def _cmd(python: str, store, out, precision: str = "exact") -> list[str]:
     ]  # fmt: skip
 
 
+def _commits(store) -> list[dict]:
+    import json
+
+    return [
+        e
+        for e in map(json.loads, (store / "journal.jsonl").read_text().splitlines())
+        if e["event"] == "commit"
+    ]
+
+
 def _trace(lines: list[str]) -> dict[int, str]:
     out = {}
     for ln in lines:
@@ -60,6 +70,10 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     assert rc == -9, f"child was not killed by SIGKILL (rc={rc})"
     killed = _trace(lines)
     assert all(killed[n] == ref_trace[n] for n in killed), "the first run already diverged"
+    # what the killed run recorded of the step after its newest checkpoint (none when the kill
+    # came first), read before the resumed run prunes that checkpoint
+    newest = max((c["step"] for c in _commits(store)), default=0)
+    expected = expectation(store, newest) if newest else None
 
     lines, rc = run_until(_cmd(python, store, tmp_path / "final.pt"), None)
     assert rc == 0, "\n".join(lines[-20:])
@@ -77,8 +91,10 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     # (recorded at that step by the killed run: not when the kill came first).
     checks = resume_checks(store)
     assert all(c["verdict"] == "exact" for c in checks), checks
-    if resumed_from and expectation(store, resumed_from) is not None:
-        assert [c["step"] for c in checks] == [resumed_from + 1], checks
+    if resumed_from == newest and expected is not None:
+        assert [(c["step"], c["expected"]) for c in checks] == [
+            (newest + 1, {k: expected[k] for k in ("loss", "grad_norm")})
+        ], checks
 
 
 def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):

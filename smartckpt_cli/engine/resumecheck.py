@@ -11,7 +11,8 @@ the interrupted run computed at step N+1:
   pre-hook of step N+1, where step N+1's loss and gradients already exist: they go into the
   checkpoint's own manifest (``meta.next_step``), so a preemption checkpoint or one fetched from
   the remote tier carries them too. A loop with its own manager saves at ``step(N)``, before step
-  N+1 exists: its values are appended to the journal at ``step(N+1)``, after the commit (a
+  N+1 exists: its values are taken at ``step(N+1)`` and go into the checkpoint's manifest while
+  it is still being written (:class:`NextStepSlot`), else into the journal after the commit (a
   ``step_after`` event naming the checkpoint); a run that dies before that has no expectation.
 - *got*, the same values of the same step after the restore; the verdict goes to the log (one
   line when not exact), to the journal (a ``resume_check`` event) and, under ``smartckpt run``,
