@@ -17,6 +17,13 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
                          so the supervisor can tell a SyntaxError from an NCCL timeout.
 ``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
                          supervisor sends :data:`STACK_SIGNAL` to a hung process.
+``report.<pid>.json``    what the training process itself says it did (rewritten whole as it
+                         learns more): where it began (``start_step``, ``restored_from``:
+                         ``disk``/``remote``/null, the ``checkpoint`` id and its ``lineage``),
+                         whether the script called ``start_step()`` (``start_step_called``,
+                         ``start_step_early``: before any optimizer existed), the resume check's
+                         verdict (``resume_check``) and ``no_optimizer`` (backward passes, but no
+                         ``torch.optim`` optimizer ever stepped). Every key is optional.
 """
 
 from __future__ import annotations
@@ -91,6 +98,10 @@ def error_path(run_dir: str, pid: int) -> str:
 
 def stacks_path(run_dir: str, pid: int) -> str:
     return os.path.join(run_dir, f"stacks.{pid}.txt")
+
+
+def report_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"report.{pid}.json")
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
