@@ -128,7 +128,7 @@ _smartckpt() {
                 --remote) COMPREPLY=(); return ;;
                 --remote-start-wait) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --resume-finished -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

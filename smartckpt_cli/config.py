@@ -90,7 +90,6 @@ class Settings:
     ram_every: float | None = None  # seconds between RAM snapshots; None: as often as RAM_SHARE allows
     ram_budget: str | None = None  # per rank: "8G", "512M", bytes; None: half the free memory / local ranks
     ram_dir: str | None = None  # where the RAM tier lives (a tmpfs); None: /dev/shm
-    warm_restart: bool = True  # restarts fork a warm interpreter (torch imported) instead of a cold one
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -283,7 +282,6 @@ _IGNORED_ENV = {
     "SMARTCKPT_HOOKS_LOADED",
     "SMARTCKPT_RAM_AREA",
     "SMARTCKPT_RAM_BYTES",
-    "SMARTCKPT_WARM",
 }
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "JournalError",
     "NoCheckpointError",
     "NotAStoreError",
+    "NothingCheckpointedError",
     "RemoteStartRefused",
     "SmartckptError",
     "StateMismatchError",
@@ -63,6 +64,11 @@ class StoreLockedError(SmartckptError):
 
 class NoCheckpointError(SmartckptError):
     """No committed checkpoint could be restored."""
+
+
+class NothingCheckpointedError(SmartckptError):
+    """A directory that ``smartckpt run`` used (it holds run records) but where no checkpoint was
+    ever committed: ``inspect``, ``verify`` and ``plot`` have nothing to read (exit 1)."""
 
 
 class CheckpointCorrupt(SmartckptError):

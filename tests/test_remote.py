@@ -172,6 +172,10 @@ def test_run_remote_resumes_on_a_new_node(s3, tmp_path, python, child_env):
     second = run("node-b", "b.pt")  # an empty local directory: a replaced node
     assert second.returncode == 0, second.stdout + second.stderr
     assert "restored step 21" in second.stdout, second.stdout
+    (record,) = (tmp_path / "node-b" / "ckpt" / "runs").glob("*.json")
+    began = json.loads(record.read_text())["attempts"][0]
+    assert (began["start_step"], began["restored_from"]) == (21, "remote"), began  # what the child said
+    assert "attempt 0: resumed at step 21 (restored from remote)" in second.stdout
     assert_same_state(torch.load(tmp_path / "b.pt"), torch.load(tmp_path / "a.pt"))
     assert SECRET not in first.stdout + first.stderr + second.stdout + second.stderr
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from smartckpt_cli.agent.carry import CARRIED, carried
 from smartckpt_cli.engine.heartbeat import beat, beat_step, heartbeat_state
 
 __all__ = ["ZeroCode", "discover", "script_names", "stamp_creation"]
@@ -298,7 +299,8 @@ class _BoundaryModule:
 class ZeroCode:
     """Zero-code checkpointing of what :func:`discover` found, through ``mgr``. The runtime calls
     ``before_step``/``after_step`` from the global optimizer hooks, ``restore`` from
-    ``start_step`` and ``finish`` at exit; ``loss()`` returns the last scalar ``backward`` ran on."""
+    ``start_step`` and ``finish`` at exit; ``loss()`` returns the step's loss (the scalars
+    ``backward`` ran on since the last step, summed) and ``loss_done()`` starts the next one."""
 
     def __init__(
         self,
@@ -307,12 +309,14 @@ class ZeroCode:
         *,
         loss: Callable[[], torch.Tensor | None],
         on_error: Callable[[str, BaseException], None],
+        loss_done: Callable[[], None] = lambda: None,
     ) -> None:
         from smartckpt_cli.state.registry import MODULE, RNG, adapt
         from smartckpt_cli.state.rng import RNGState
 
         self.mgr = mgr
         self.loss = loss
+        self.loss_done = loss_done  # the step ended: the next backward() starts the next loss
         self.on_error = on_error
         self.active = True
         self.optimizers = found.optimizers
@@ -341,9 +345,25 @@ class ZeroCode:
         self.scalers = found.scalers
         for scaler in self.scalers:
             self._count_skipped_steps(scaler)
+        # The loop's own carried values (carry.py): registered once the loop names them.
+        carried.copy_now = self._may_save_carried
+        carried.on_first_use = self._register_carried
+        if carried.used:
+            self._register_carried()
         logger.info(
             "zero-code checkpointing: %s", ", ".join(n for n in mgr.names() if n != RNG) or "nothing found"
         )
+
+    def _register_carried(self) -> None:
+        from smartckpt_cli.state.registry import STATE
+
+        if self.active and CARRIED not in self.mgr.names():
+            self.mgr.register_as(CARRIED, carried, kind=STATE)
+
+    def _may_save_carried(self) -> bool:
+        """carry() at the top of iteration N+1: whether the checkpoint of step N may be taken (its
+        boundary was recorded), so the values must be copied as they are now."""
+        return self.pending is not None and self.pending.states is not None
 
     def restore(self) -> int:
         if self.started or self.step:
@@ -351,7 +371,15 @@ class ZeroCode:
             return self.step
         self.started = True
         with heartbeat_state("RESTORING"):
-            self.step = self.mgr.restore()
+            loaded = self.mgr.read()
+            self.step = self.mgr.apply(loaded) if loaded is not None else 0
+        if loaded is not None and CARRIED in loaded.manifest.get("objects", {}):
+            # kept for the loop's first carry(), which comes after this (carry.py)
+            from smartckpt_cli.state.apply import apply_checkpoint
+            from smartckpt_cli.state.registry import STATE
+
+            apply_checkpoint(loaded, {CARRIED: (STATE, carried)})
+            carried.restored_step = self.step
         beat(self.step, state=None)
         return self.step
 
@@ -368,6 +396,7 @@ class ZeroCode:
                 try:
                     self.before_step(optimizer)
                     self.after_step(optimizer)
+                    self.loss_done()  # no optimizer post-hook ran to start the next step's loss
                 except Exception as err:
                     self.on_error("GradScaler step", err)
             return out
@@ -378,6 +407,8 @@ class ZeroCode:
         if id(optimizer) not in self.ids:
             return
         self.started = True
+        if self.mgr._ahead is not None:  # set in this step's pre-hook, for a save there
+            self.mgr._pre_update_done()
         if self.scalers:  # counted only for the GradScaler's skipped steps (_count_skipped_steps)
             self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
@@ -404,7 +435,24 @@ class ZeroCode:
             return
         if self.primary is None:
             self.primary = optimizer
-        if optimizer is not self.primary or self.pending is None:
+        if optimizer is not self.primary:
+            return
+        # This step's loss exists already (its backward ran): the resume check takes it here, for
+        # the checkpoint of the previous step saved below, or after a restore (resumecheck.py).
+        # Only where either may happen: elsewhere this costs a comparison.
+        pending = self.pending
+        if (pending is None or pending.states is None) and self.mgr._check.step != self.step + 1:
+            self._step_boundary()
+            return
+        scale = getattr(self.scalers[0], "_scale", None) if self.scalers else None
+        scale = scale if isinstance(scale, torch.Tensor) else None
+        # Kept until this step's post-hook: the manager's own pre-hook, which runs next, may take
+        # a precursor save of the previous step too.
+        self.mgr._pre_update(self.step + 1, self.loss(), scale, optimizer)
+        self._step_boundary()
+
+    def _step_boundary(self) -> None:
+        if self.pending is None:
             return
         rec, self.pending = self.pending, None
         # A buffer forward mutates that was just discovered makes this step unsaveable; from the
@@ -419,6 +467,7 @@ class ZeroCode:
     def finish(self, *, final_save: bool) -> None:
         """At interpreter exit: a final checkpoint (after a clean run), then close the manager."""
         self.active = False
+        carried.stale = True  # the loop's last carry() came before its last step
         rec, self.pending = self.pending, None
         if rec is not None and rec.states is None:
             # The last step was not recorded (no save was due): its boundary is as at exit.

@@ -291,6 +291,13 @@ def run_cmd(
             help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
         ),
     ] = None,
+    resume_finished: Annotated[
+        bool,
+        typer.Option(
+            "--resume-finished",
+            help="Start the command even when its last run in --dir finished (it trains on from the final checkpoint).",
+        ),
+    ] = False,
 ) -> None:
     """Run a training script under smartckpt: checkpoints without code changes, restarts after
     crashes from the newest verified checkpoint.
@@ -300,7 +307,9 @@ def run_cmd(
       smartckpt run --every 30s -- torchrun --nproc_per_node 2 train.py
 
     Options go before the script; everything from the script (or after --) is the command.
-    Each option can also be set in smartckpt.yaml (--config) or as SMARTCKPT_<NAME>.
+    Each option but --resume-finished can also be set in smartckpt.yaml (--config) or as
+    SMARTCKPT_<NAME>. The same command again on a store whose last run finished does nothing
+    (exit 0) unless --resume-finished.
 
     \b
     Exit codes:
@@ -325,7 +334,9 @@ def run_cmd(
         "remote_start_wait": remote_start_wait,
         "remote_start_fresh": remote_start_fresh,
     }
-    raise typer.Exit(run_command(list(command or []), overrides, config, every))
+    raise typer.Exit(
+        run_command(list(command or []), overrides, config, every, resume_finished=resume_finished)
+    )
 
 
 def main() -> None:

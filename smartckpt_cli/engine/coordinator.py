@@ -331,7 +331,11 @@ class Ranks:
 
     def agree_on(self, value: Any) -> bool:
         heard = self.comm.to_root(value)
-        same = None if heard is None else [heard[0] is not None and all(v == heard[0] for v in heard)] * self.world
+        same = (
+            None
+            if heard is None
+            else [heard[0] is not None and all(v == heard[0] for v in heard)] * self.world
+        )
         return bool(self.comm.from_root(same))
 
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:

@@ -31,6 +31,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,11 +48,13 @@ from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
-from smartckpt_cli.engine.restore import Loaded
+from smartckpt_cli.engine.restore import Loaded, same_lineage
+from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
@@ -199,7 +202,6 @@ class CheckpointManager(StepPath, SavePath):
         # (ramtier.py); RAM snapshots are due from this monotonic time on.
         self._ram = RamTier.open(s, self.store_id, self._coord.rank, self._coord.world)
         self._ram_due = math.inf
-        self.restored_from: str | None = None  # "ram" | "disk" | "remote": where the last restore read
         self._first_step_report = False  # report the first step after a restore (smartckpt run)
         self._persister = Persister(
             self.store.storage,
@@ -233,6 +235,16 @@ class CheckpointManager(StepPath, SavePath):
         # Why the steps after the last restore may not be bit-exact with an uninterrupted run
         # (one line each, also logged; ddp_layout.py); empty when nothing is known to differ.
         self.resume_limits: list[str] = []
+        # Checkpoints continue the lineage of the one restored; a manager that restored nothing
+        # starts a new one, so a run that began again at step 0 never passes for the
+        # continuation of the checkpoints before it (inspect tells them apart, restore never
+        # falls back from one into another).
+        self.lineage: str | None = uuid.uuid4().hex[:12]
+        self._restored_from: str | None = None  # "ram" | "disk" | "remote": where the last read came from
+        # The resume check (resumecheck.py): armed for the step after a save or a restore; zero-
+        # code mode hands the loss of the step being updated (``_pre_update``) before step().
+        self._check = ResumeCheck()
+        self._ahead: tuple[int, Any, Any, Any] | None = None  # (step, loss, scale, optimizer)
         for observer in self._observers:
             observer.on_start(self.store_id)
 
@@ -313,7 +325,7 @@ class CheckpointManager(StepPath, SavePath):
         step = self.apply(loaded) if loaded is not None else 0
         # For smartckpt run's record of a restart: where the state came from and when (the
         # phases of a recovery: restore, then the first resumed step, which step() reports).
-        report(restored_from=self.restored_from, restore_began=began, restore_done=time.time())
+        report(restore_began=began, restore_done=time.time())
         self._first_step_report = loaded is not None
         return step
 
@@ -324,13 +336,12 @@ class CheckpointManager(StepPath, SavePath):
         self.wait()
         state = self.store.journal.read()
         reset = self.settings.on_l2_corrupt == "reset"
-        self.restored_from = None
         # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
         # and every chunk verifies (on every rank), else the disk, then the remote, as before.
-        newest = self._source.order(state, include_unhealthy=include_unhealthy)
-        loaded_ram = self._read_ram(newest[0].record.step if newest else -1, include_unhealthy)
+        every = self._source.order(state, include_unhealthy=include_unhealthy)
+        loaded_ram = self._read_ram(every[0].record.step if every else -1, include_unhealthy)
         if loaded_ram is not None:
-            self.restored_from = "ram"
+            self._restored_from = "ram"
             return loaded_ram
 
         def read_part(rec: Any) -> Loaded:
@@ -339,16 +350,31 @@ class CheckpointManager(StepPath, SavePath):
             )
 
         # The newest candidate that verifies (several ranks: on every rank); a local copy that
-        # fails is repaired from the remote tier when there is one.
+        # fails is repaired from the remote tier when there is one. Only the newest lineage:
+        # falling back into an older one would resume another run's training as if it were this.
+        order = same_lineage(every)
         where: dict[str, str] = {}
 
         def load(cand: Any) -> Loaded:
-            where[cand.record.id] = "remote" if getattr(cand, "where", "local") != "local" else "disk"
-            return self._source.load(cand, read_part)
+            got = self._source.load(cand, read_part)
+            where[got.record.id] = "remote" if getattr(cand, "where", "local") == "remote" else "disk"
+            return got
 
-        loaded = self._coord.restore(newest, load, self.store.root)
-        if loaded is not None:
-            self.restored_from = where.get(loaded.record.id, "disk")
+        try:
+            loaded = self._coord.restore(order, load, self.store.root)
+        except NoCheckpointError as err:
+            older = [c.record.step for c in every if c not in order]
+            if not older:
+                raise
+            raise NoCheckpointError(
+                f"{err}; {len(older)} older checkpoint(s) (newest step {older[0]}) belong to another "
+                "lineage, a training that began again at step 0 after them: not restored in its place "
+                "(smartckpt inspect shows the lineages)"
+            ) from None
+        if loaded is None:
+            report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
+        else:
+            self._restored_from = where.get(loaded.record.id, "disk")
         return loaded
 
     def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
@@ -390,7 +416,71 @@ class CheckpointManager(StepPath, SavePath):
             self._clock.skip()
             self._uncalm()
             logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
+            self._resumed(loaded)
         return int(loaded.record.step)
+
+    def _resumed(self, loaded: Loaded) -> None:
+        """After a restore: continue its lineage, arm the resume check for the next step, and
+        tell ``smartckpt run`` where the loop begins."""
+        rec = loaded.record
+        lineage = rec.event.get("lineage")
+        self.lineage = str(lineage) if lineage else None  # None: checkpoints from before lineages
+        on_cpu = all(t.device.type == "cpu" for t in self._some_tensors())
+        restored = {
+            "id": rec.id,
+            "step": rec.step,
+            # the journal's values are rank 0's (it alone writes them): the other ranks compare
+            # only what their own part's manifest holds
+            "expected": expected_of(
+                loaded.manifest, rec.id, self._journal_events if self._coord.leads else list
+            ),
+            "rtol": tolerance(on_cpu_only=on_cpu, deterministic=torch.are_deterministic_algorithms_enabled()),
+        }
+        if restored["expected"] is None and not self._coord.leads:
+            restored["skip"] = "rank 0 alone recorded the step after this checkpoint (in the journal)"
+        if loaded.manifest.get("resharded_from") is not None:
+            # another world size: every rank trains on other batches than before, by design
+            restored["skip"] = (
+                f"resumed at another world size (from {loaded.manifest['resharded_from']} ranks)"
+            )
+        self._check.check(int(rec.step) + 1, restored)
+        report(
+            start_step=int(rec.step),
+            restored_from=self._restored_from or "disk",
+            checkpoint=rec.id,
+            lineage=self.lineage,
+        )
+
+    def _some_tensors(self) -> list[torch.Tensor]:
+        """A parameter of every registered module and optimizer: where the training runs."""
+        out = []
+        for kind, obj in self._objects.values():
+            if kind == OPTIMIZER:
+                out += [p for g in obj.param_groups for p in g["params"][:1]]
+            elif kind == "module":
+                mod = getattr(obj, "module", obj)  # zero-code wraps its modules
+                out += list(mod.parameters())[:1] if isinstance(mod, torch.nn.Module) else []
+        return out
+
+    def _journal_events(self) -> list[dict[str, Any]]:
+        try:
+            return self.store.journal.read_events()[1]
+        except Exception as err:  # the check goes without; the restore stands
+            logger.debug("journal unreadable for the resume check: %s", err)
+            return []
+
+    def _pre_update(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
+        """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
+        loss of ``step`` is known before its update. A save of ``step - 1`` taken before
+        :meth:`_pre_update_done` (the post-hook of ``step``) records it with the checkpoint, a
+        precursor save included; after a restore it is checked."""
+        self._ahead = (step, loss, loss_scale, optimizer)
+        if self._check.step == step and self._check.restored is not None:
+            self._check.grads(optimizer)
+            self._take_check(step, loss, loss_scale)
+
+    def _pre_update_done(self) -> None:
+        self._ahead = None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -102,7 +102,9 @@ class RamTier:
         except OSError as err:
             logger.warning("RAM tier off: cannot use %s (%s); restarts restore from disk", rank_dir, err)
             return None
-        budget = parse_size(settings.ram_budget) if settings.ram_budget else int(os.environ.get(ENV_BYTES) or 0)
+        budget = (
+            parse_size(settings.ram_budget) if settings.ram_budget else int(os.environ.get(ENV_BYTES) or 0)
+        )
         if budget <= 0:
             budget = default_budget()
         return cls(rank_dir, budget, settings, store_id, rank, world)
@@ -232,10 +234,14 @@ class RamTier:
         snapshot. Runs on the save thread; the hashing fans out to ``pool``."""
         t0 = time.perf_counter()
         items = snap.items
-        hashes = list(pool.map(lambda it: ramarea.chunk_hashes(tensor_bytes(it.tensor), self.chunk_bytes), items))
+        hashes = list(
+            pool.map(lambda it: ramarea.chunk_hashes(tensor_bytes(it.tensor), self.chunk_bytes), items)
+        )
         health = snap.health
         for tier, verdict in (("L1", "nonfinite-weights"), ("L2", "nonfinite-moments")):
-            if health == "ok" and not all(pool.map(all_finite, [it.tensor for it in items if it.plan.tier == tier])):
+            if health == "ok" and not all(
+                pool.map(all_finite, [it.tensor for it in items if it.plan.tier == tier])
+            ):
                 health = verdict
         entries = {
             it.plan.key: {
@@ -308,7 +314,9 @@ class RamTier:
             return None
         if rec.get("health") != "ok" and not include_unhealthy:
             logger.warning(
-                "smartckpt: the RAM snapshot of step %d is %s; restoring from disk", rec["step"], rec.get("health")
+                "smartckpt: the RAM snapshot of step %d is %s; restoring from disk",
+                rec["step"],
+                rec.get("health"),
             )
             return None
         return rec
@@ -321,13 +329,23 @@ class RamTier:
             bad = ramarea.verify(view, rec)
             if bad is not None:
                 logger.warning(
-                    "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk", rec["step"], bad
+                    "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk",
+                    rec["step"],
+                    bad,
                 )
                 return None
             tensors = _tensors(view, rec)
         self.last = rec
+        lineage = (rec.get("meta") or {}).get("lineage")
         record = CheckpointRecord(
-            int(rec["step"]), str(rec["id"]), "", "", -1, health=str(rec.get("health")), reason="ram"
+            int(rec["step"]),
+            str(rec["id"]),
+            "",
+            "",
+            -1,
+            health=str(rec.get("health")),
+            reason="ram",
+            event={"lineage": lineage} if lineage else {},
         )
         manifest = {
             "store_id": rec["store_id"],
@@ -337,7 +355,10 @@ class RamTier:
             "calm": rec.get("calm", True),
             "meta": rec.get("meta") or {},
             "objects": rec["objects"],
-            "entries": {k: {"tier": e["tier"], "dtype": e["dtype"], "shape": e["shape"]} for k, e in rec["entries"].items()},
+            "entries": {
+                k: {"tier": e["tier"], "dtype": e["dtype"], "shape": e["shape"]}
+                for k, e in rec["entries"].items()
+            },
             "not_stored": rec.get("not_stored") or [],
             "restored_from": "ram",
         }

@@ -34,6 +34,7 @@ from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.ramtier import RamTier
+from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import UnsupportedValueError
@@ -149,6 +150,9 @@ class SavePath:
     _wish: Decision | None
     _scheduled: tuple[int | None, float]
     _committed: tuple[int | None, float]
+    _check: ResumeCheck
+    _ahead: tuple[int, Any, Any, Any] | None
+    lineage: str | None
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
@@ -233,14 +237,26 @@ class SavePath:
             else:
                 snap.ram_slot = ram[0]
         self._stager.use(None)
-        if ram_only:
-            return self._hand_over(snap, t0, ram_only=True)
         healthy = self._loss_is_finite()
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
         snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
         if ddp := ddp_layout.record(self._objects):  # DDP's gradient buckets (ddp_layout.py)
             snap.meta[ddp_layout.DDP_META] = ddp
+        if self.lineage is not None:
+            snap.meta["lineage"] = self.lineage
+        if ram_only:
+            return self._hand_over(snap, t0, ram_only=True)
+        # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
+        # of the next step, whose loss and gradients exist already: they go with the checkpoint.
+        ahead = self._ahead
+        next_step: Values | None = None
+        slot: NextStepSlot | None = None
+        if ahead is not None and ahead[0] == step + 1:
+            next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
+        else:  # taken at step(step + 1): into the manifest if still in time, else the journal
+            slot = NextStepSlot()
+            snap.before_manifest = slot.close
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
@@ -251,10 +267,19 @@ class SavePath:
         self._quiet, self._wish = (-math.inf, -math.inf), None
         self._clock.skip()
         self._uncalm()
-        return self._hand_over(snap, t0, snap_time=snap_time)
+        handle = self._hand_over(snap, t0, snap_time=snap_time, next_step=next_step)
+        if next_step is None:
+            self._check.expect(step + 1, handle, slot)
+        return handle
 
     def _hand_over(
-        self, snap: Any, t0: float, *, snap_time: float = 0.0, ram_only: bool = False
+        self,
+        snap: Any,
+        t0: float,
+        *,
+        snap_time: float = 0.0,
+        ram_only: bool = False,
+        next_step: Values | None = None,
     ) -> SaveHandle:
         """The snapshot to the save thread: a RAM snapshot alone (``ram_only``: hashed and
         recorded, nothing written to disk; the disk's schedule does not move) or a checkpoint."""
@@ -267,7 +292,7 @@ class SavePath:
             self._uncalm()
             future = self._saver.submit(self._persist_ram, snap)
         else:
-            future = self._saver.submit(self._persist, snap, snap_time)
+            future = self._saver.submit(self._persist, snap, snap_time, next_step)
         if self._ram is not None:
             self._ram_due = time.monotonic() + self._ram.interval()
         handle = SaveHandle(snap.step, future, snap)
@@ -306,8 +331,10 @@ class SavePath:
             for p in g["params"]
         }
 
-    def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
+    def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
         self._ram_commit(snap)  # in the RAM tier first: a crash while writing to disk loses nothing
+        if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
+            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
         try:
             info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:

@@ -38,7 +38,9 @@ from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
+from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
@@ -104,6 +106,9 @@ class StepPath:
     _next_eval: int
     _calm_time: float
     _beating: bool
+    _check: ResumeCheck
+    _saver: Any
+    store: StoreDir
     heartbeat: bool
     # the manager's own
     _ram: RamTier | None
@@ -121,6 +126,8 @@ class StepPath:
             if snap.copied.is_set():
                 self._lazy_snapshot = None
         step = self._last_step + 1
+        if step == self._check.step and optimizer is self._optimizers[0]:
+            self._check.grads(optimizer)  # the step after a save or a restore (resumecheck.py)
         if step < self._next_eval or not self._signals.due(step):
             return  # a step that does not evaluate: nothing else to do here
         # Gradient statistics for the evaluation, reduced on the device.
@@ -134,6 +141,8 @@ class StepPath:
         if self._coord.hooks_may_save and self._precursor and self._pre_hooks == len(self._optimizers):
             try:
                 self._before_update(step)
+                if step == self._check.step:  # it saved: the expectation is this step's
+                    self._check.grads(self._optimizers[0])
             except Exception as err:  # never break the user's optimizer.step()
                 self._save_failed(self._last_step, err)
 
@@ -248,6 +257,8 @@ class StepPath:
         if self._first_step_report:  # the first step after a restore: a recovery's last phase
             self._first_step_report = False
             report(first_step_done=time.time(), first_step=step)
+        if self._check.step >= 0:
+            self._take_check(step, loss, loss_scale)
         # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
         # this step's evaluation; this step's loss joins the next one's window.
         reading, self._pre_reading = self._pre_reading, None
@@ -348,6 +359,22 @@ class StepPath:
         self._calm_after(step)
         return result
 
+    def _take_check(self, step: int, loss: Any, loss_scale: Any) -> None:
+        """The resume check's values of ``step`` when it is armed for it; what to do with them
+        runs on the save thread, after the save it follows (resumecheck.py)."""
+        try:
+            taken = self._check.take(step, loss, loss_scale)
+            if taken is None:
+                return
+            values, saved, restored = taken
+            append = self.store.journal.append if self._coord.leads else None
+            if saved is not None and append is not None:
+                self._saver.submit(_quietly, expect_job, values, saved, append)
+            if restored is not None:
+                self._saver.submit(_quietly, check_job, values, restored, append, report)
+        except Exception as err:  # the check never breaks the training step
+            logger.warning("resume check skipped at step %d: %s", step, err)
+
     def _calm_after(self, step: int) -> None:
         """Until which step and time nothing can happen (the fast path of ``step``): the first
         step whose loss the next evaluation keeps, the policy's quiet step and time, the next
@@ -362,6 +389,8 @@ class StepPath:
         # its statistics (and captures the boundary a precursor would save)
         self._keep_from = self._next_eval - self._signals.window - 1
         calm = min(float(self._next_eval - 1), self._quiet[0], self._coord.next_point)
+        if self._check.step >= 0:
+            calm = min(calm, float(self._check.step))  # that step takes the resume check's values
         self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
         self._calm_time = min(self._quiet[1], self._ram_due)
         # may_save: the step before the evaluation (a save before its update) and the evaluation
@@ -430,3 +459,11 @@ class StepPath:
             save_total=self._cost.total,
             mtbf=self.settings.mtbf,
         )
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """A resume-check job on the save thread: its failure is logged, never raised."""
+    try:
+        fn(*args)
+    except Exception as err:
+        logger.warning("resume check: %s: %s", type(err).__name__, err)

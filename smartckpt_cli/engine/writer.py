@@ -250,6 +250,8 @@ class Persister:
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
     ) -> bytes:
         """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
+        if snap.before_manifest is not None:
+            snap.before_manifest(snap)
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
@@ -291,6 +293,8 @@ class Persister:
                 "score": snap.score,
                 "bytes_new": written.bytes_new,
                 "bytes_total": written.bytes_total,
+                # the training this checkpoint continues (engine/manager.py: lineage)
+                **({"lineage": snap.meta["lineage"]} if snap.meta.get("lineage") else {}),
                 **(extra or {}),
             }
         )

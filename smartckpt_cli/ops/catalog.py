@@ -29,12 +29,14 @@ from smartckpt_cli.store.scrub import ScrubBook
 __all__ = [
     "Catalog",
     "EntryRow",
+    "Lineage",
     "ManifestDetail",
     "Row",
     "active_writer",
     "blob_sizes",
     "describe",
     "dtensor_nodes",
+    "lineages",
     "list_checkpoints",
     "sharding_summary",
     "world_size",
@@ -68,6 +70,8 @@ class Row:
     # ("checked"), or, for one never re-hashed since, when it was written ("written").
     blobs_checked_utc: str | None = None
     blobs_checked_how: str | None = None
+    lineage: str | None = None  # the training it continues (commit line; None: before lineages)
+    line: str = "A"  # that lineage's letter, in the order lineages began in the journal
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
@@ -79,14 +83,49 @@ class Catalog:
     rows: list[Row]  # newest first
     journal_problems: list[str]
     failures: list[dict[str, Any]] = field(default_factory=list)
+    lineages: list[Lineage] = field(default_factory=list)  # oldest first
+    resume_checks: list[dict[str, Any]] = field(default_factory=list)  # journal order
 
     def to_json(self) -> dict[str, Any]:
         return {
             "store_id": self.store_id,
             "checkpoints": [r.to_json() for r in self.rows],
+            "lineages": [asdict(x) for x in self.lineages],
+            "resume_checks": self.resume_checks,
             "journal_problems": self.journal_problems,
             "save_failures": self.failures,
         }
+
+
+@dataclass
+class Lineage:
+    """The checkpoints of one training: a run that restored continues the lineage it restored
+    from; one that began at step 0 starts another (engine/manager.py). A restore never falls
+    back from one lineage into another."""
+
+    line: str  # A, B, ... in the order they began in the journal
+    id: str | None
+    checkpoints: int
+    first_step: int
+    last_step: int
+
+
+def lineages(records: list[CheckpointRecord]) -> tuple[list[Lineage], dict[str, str]]:
+    """Pure: the lineages of ``records`` (journal order) and each checkpoint id's letter."""
+    letters: dict[str | None, str] = {}
+    found: dict[str | None, Lineage] = {}
+    by_id: dict[str, str] = {}
+    for rec in sorted(records, key=lambda r: r.position):
+        key = rec.event.get("lineage")
+        if key not in letters:
+            n = len(letters)
+            letters[key] = chr(ord("A") + n) if n < 26 else f"L{n + 1}"
+            found[key] = Lineage(letters[key], key, 0, rec.step, rec.step)
+        got = found[key]
+        got.checkpoints += 1
+        got.last_step = rec.step
+        by_id[rec.id] = letters[key]
+    return list(found.values()), by_id
 
 
 def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
@@ -174,6 +213,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
     target = candidates(state.records)
     target_id = target[0].id if target else None
+    lines, line_of = lineages(state.records)
     manifests: dict[str, dict[str, Any]] = {}
     problems: dict[str, str] = {}
     for rec in records:
@@ -186,7 +226,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         except OSError as err:
             problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
-    checks = _BlobChecks(store)
+    blob_checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:
@@ -200,7 +240,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         ver = checked.get(rec.id)
         meta = m.get("meta", {})
         n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
-        checked_utc, checked_how = checks.oldest(list(blobs)) if blobs else (None, None)
+        checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
         rows.append(
             Row(
                 step=rec.step,
@@ -226,9 +266,14 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 sharding=sharding,
                 blobs_checked_utc=checked_utc,
                 blobs_checked_how=checked_how,
+                lineage=rec.event.get("lineage"),
+                line=line_of.get(rec.id, "A"),
             )
         )
-    return Catalog(state.store_id, rows, state.problems, state.failures)
+    checks = [
+        {k: v for k, v in ev.items() if k != "crc"} for ev in events if ev.get("event") == "resume_check"
+    ]
+    return Catalog(state.store_id, rows, state.problems, state.failures, lines, checks)
 
 
 class _BlobChecks:

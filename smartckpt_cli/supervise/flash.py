@@ -101,7 +101,11 @@ def take(area: Path, store_id: str | None, newest_disk: int) -> Held | str | Non
             return None
         steps = {int(r["step"]) for r in records}
         world = int(records[0].get("world_size", 1))
-        if len(steps) != 1 or len(records) != world or any(int(r.get("rank", -1)) != n for n, r in enumerate(records)):
+        if (
+            len(steps) != 1
+            or len(records) != world
+            or any(int(r.get("rank", -1)) != n for n, r in enumerate(records))
+        ):
             stack.close()
             return (
                 f"the RAM snapshots here are of steps {sorted(steps)} for {len(records)} of {world} rank(s): "
@@ -112,7 +116,9 @@ def take(area: Path, store_id: str | None, newest_disk: int) -> Held | str | Non
             return "the RAM snapshot belongs to another store: not persisted"
         if any(r.get("health") != "ok" for r in records):
             stack.close()
-            return f"the RAM snapshot of step {records[0]['step']} is {records[0].get('health')}: not persisted"
+            return (
+                f"the RAM snapshot of step {records[0]['step']} is {records[0].get('health')}: not persisted"
+            )
     except (OSError, ValueError, FlashError) as err:
         stack.close()
         return f"the RAM snapshot cannot be read ({err}): not persisted"
@@ -194,7 +200,9 @@ def _write_blobs(
         key, n, pos, length, rh, item = job
         data = view[pos : pos + length]
         if codec.raw_hash(data) != rh:
-            raise FlashError(f"entry {key} chunk {n} of the RAM snapshot of step {rec['step']} fails its hash")
+            raise FlashError(
+                f"entry {key} chunk {n} of the RAM snapshot of step {rec['step']} fails its hash"
+            )
         name, parts = codec.encode_chunk_parts(data, item, level)
         bid = rh if name == "raw" else codec.parts_id(parts)
         enc_len = sum(len(memoryview(p).cast("B")) for p in parts)
@@ -256,4 +264,3 @@ def _dir_id(store: StoreDir) -> str | None:
         return store.storage.read(DIR_ID).decode().strip() or None
     except (OSError, UnicodeDecodeError):
         return None
-

@@ -36,6 +36,8 @@ __all__ = [
     "StoreView",
     "learned_mtbf",
     "new_run_id",
+    "read_records",
+    "runs_without_checkpoints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,16 @@ class AttemptRecord:
     attempt: int
     pid: int
     started: float  # wall time (time.time)
-    start_step: int  # the newest live checkpoint when it started (what it restores)
+    newest_checkpoint: int = 0  # the newest live checkpoint when it started (what a restore loads)
+    # What the child itself reported (report.<pid>.json): the step the script really began at
+    # (None: it never said, e.g. it died first or runs without smartckpt), where it was restored
+    # from ("disk", "remote"; None: nothing restored), and the resume check's verdict
+    # ({"step", "verdict": "exact" | "close" | "differs", "expected", "got"}).
+    start_step: int | None = None
+    restored_from: str | None = None
+    resume_check: dict[str, Any] | None = None
+    began_again: str = ""  # why it began at step 0 although a checkpoint existed
+    no_optimizer: bool = False  # backward passes, but no torch.optim optimizer ever stepped
     ended: float = 0.0
     max_step: int | None = None  # highest step a heartbeat reported (None: no heartbeat)
     max_committed: int | None = None  # newest step committed during the attempt
@@ -69,11 +80,16 @@ class AttemptRecord:
     cause: str = ""
     error: dict[str, Any] | None = None
     stacks: str | None = None  # the stack dump taken before a hang kill
-    restart_from: int | None = None  # the checkpoint the next attempt restores
+    restart_from: int | None = None  # the step the next attempt began at (restored, or 0)
     steps_lost: int | None = None
     seconds_lost: float | None = None
     delay: float = 0.0  # backoff before the next attempt
     rollback_to: int | None = None
+
+    @property
+    def began(self) -> int:
+        """The step it began at: reported, else the checkpoint a restore would have loaded."""
+        return self.start_step if self.start_step is not None else self.newest_checkpoint
 
 
 @dataclass
@@ -135,6 +151,30 @@ def read_records(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return out
 
 
+def runs_without_checkpoints(directory: str | os.PathLike[str]) -> str | None:
+    """The line for a directory that holds run records but no checkpoint store (no journal):
+    what ran there and why nothing was checkpointed, when the records say; None when there
+    are no run records either."""
+    try:
+        records = read_records(directory)
+    except OSError:  # an unreadable directory: the caller's own error says so
+        return None
+    if not records:
+        return None
+    last = max(records, key=lambda r: r.get("started") or 0)
+    attempts = [a for r in records for a in r.get("attempts") or [] if isinstance(a, dict)]
+    line = (
+        f"{directory} holds the records of {len(records)} run(s) of `smartckpt run` (runs/) but no "
+        "checkpoint: none was ever committed there"
+    )
+    if any(a.get("no_optimizer") for a in attempts):
+        line += (
+            "; the training never stepped a torch.optim optimizer, and zero-code checkpointing needs "
+            "one (for a hand-written update, use a CheckpointManager in the script)"
+        )
+    return line + f"; last run {last.get('run_id')}: {last.get('outcome')}"
+
+
 def learned_mtbf(directory: str | os.PathLike[str], current: RunRecord | None = None) -> float | None:
     """MTBF from every run record of the store (the running one included)."""
     records = [r for r in read_records(directory) if current is None or r.get("run_id") != current.run_id]
@@ -163,6 +203,11 @@ class StoreView:
         """Step of the newest live, healthy checkpoint (what a restart restores); 0 if none."""
         live = candidates(self._records())
         return live[0].step if live else 0
+
+    def newest(self) -> Any:
+        """The newest live, healthy checkpoint's journal record; None if none."""
+        live = candidates(self._records())
+        return live[0] if live else None
 
     def live_steps(self) -> list[int]:
         """Steps of the live healthy checkpoints, newest first."""

@@ -24,6 +24,7 @@ class RunOptions:
     sources: dict[str, str] = field(default_factory=dict)  # load_settings' sources
     run_id: str | None = None
     first_attempt: int = 0
+    resume_finished: bool = False  # start the command even when its last run finished
     poll: float = 0.2
     # Where the child's output goes: None = inherited (straight to our stdout/stderr); a callable
     # gets each line (stdout and stderr merged), so a live panel can print above itself.
