@@ -203,6 +203,7 @@ class CheckpointManager(StepPath, SavePath):
         self._ram = RamTier.open(s, self.store_id, self._coord.rank, self._coord.world)
         self._ram_due = math.inf
         self._first_step_report = False  # report the first step after a restore (smartckpt run)
+        self._read_began = 0.0  # when the last read() began (wall time)
         self._persister = Persister(
             self.store.storage,
             self.store.blobs,
@@ -320,20 +321,15 @@ class CheckpointManager(StepPath, SavePath):
             return self._restore(include_unhealthy)
 
     def _restore(self, include_unhealthy: bool) -> int:
-        began = time.time()
         loaded = self.read(include_unhealthy=include_unhealthy)
-        step = self.apply(loaded) if loaded is not None else 0
-        # For smartckpt run's record of a restart: where the state came from and when (the
-        # phases of a recovery: restore, then the first resumed step, which step() reports).
-        report(restore_began=began, restore_done=time.time())
-        self._first_step_report = loaded is not None
-        return step
+        return self.apply(loaded) if loaded is not None else 0
 
     def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
         """The newest committed checkpoint that verifies, loaded but not applied (None when the
         store has none). Integrations whose objects appear at different times (a Trainer builds
         its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
         self.wait()
+        self._read_began = time.time()
         state = self.store.journal.read()
         reset = self.settings.on_l2_corrupt == "reset"
         # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
@@ -449,7 +445,12 @@ class CheckpointManager(StepPath, SavePath):
             restored_from=self._restored_from or "disk",
             checkpoint=rec.id,
             lineage=self.lineage,
+            # for smartckpt run's record of a restart: the restore's phases (wall times); the
+            # first resumed step's end follows from step() (_first_step_report)
+            restore_began=self._read_began,
+            restore_done=time.time(),
         )
+        self._first_step_report = True
 
     def _some_tensors(self) -> list[torch.Tensor]:
         """A parameter of every registered module and optimizer: where the training runs."""

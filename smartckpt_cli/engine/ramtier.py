@@ -52,8 +52,8 @@ __all__ = ["ENV_AREA", "ENV_BYTES", "RAM_FLOOR", "RAM_SHARE", "RamTier"]
 
 logger = logging.getLogger(__name__)
 
-ENV_AREA = "SMARTCKPT_RAM_AREA"  # the run's RAM area (smartckpt run's handshake; unset: tier off)
-ENV_BYTES = "SMARTCKPT_RAM_BYTES"  # the budget per rank smartckpt run worked out (bytes)
+ENV_AREA = ramarea.ENV_AREA
+ENV_BYTES = ramarea.ENV_BYTES
 RAM_SHARE = 0.02  # the share of training time RAM snapshots may cost by default
 RAM_FLOOR = 1.0  # seconds: never more often than this by default
 _MARGIN = 64 << 20  # left free in the tmpfs and the host's memory beyond the slots
@@ -106,7 +106,7 @@ class RamTier:
             parse_size(settings.ram_budget) if settings.ram_budget else int(os.environ.get(ENV_BYTES) or 0)
         )
         if budget <= 0:
-            budget = default_budget()
+            budget = ramarea.default_budget()
         return cls(rank_dir, budget, settings, store_id, rank, world)
 
     # ------------------------------------------------------------------ slots
@@ -377,12 +377,6 @@ def _tensors(view: memoryview, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
             byte_view(t)[:] = np.frombuffer(view, dtype=np.uint8, count=n, offset=int(e["offset"]))
         out[key] = t
     return out
-
-
-def default_budget(local_ranks: int | None = None) -> int:
-    """Half the memory available now, shared by the node's ranks (``LOCAL_WORLD_SIZE``)."""
-    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return int(psutil.virtual_memory().available * 0.5 / max(1, ranks))
 
 
 def _gb(n: float) -> str:

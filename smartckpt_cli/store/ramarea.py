@@ -44,10 +44,14 @@ from smartckpt_cli.store.names import (
 
 __all__ = [
     "ALIGN",
+    "DEFAULT_DIR",
+    "ENV_AREA",
+    "ENV_BYTES",
     "RAM_FORMAT",
     "RAM_VERSION",
     "Slot",
     "chunk_hashes",
+    "default_budget",
     "layout",
     "read_record",
     "reading",
@@ -56,6 +60,9 @@ __all__ = [
     "write_record",
 ]
 
+ENV_AREA = "SMARTCKPT_RAM_AREA"  # the run's RAM area (smartckpt run's handshake; unset: tier off)
+ENV_BYTES = "SMARTCKPT_RAM_BYTES"  # the budget per rank smartckpt run worked out (bytes)
+DEFAULT_DIR = "/dev/shm"
 RAM_FORMAT = "smartckpt-ram"
 RAM_VERSION = 1
 ALIGN = 64  # every entry starts on a cache line (and on any dtype's alignment)
@@ -69,6 +76,14 @@ def layout(sizes: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
         offsets[key] = pos
         pos += -(-max(nbytes, 1) // ALIGN) * ALIGN
     return offsets, max(pos, ALIGN)
+
+
+def default_budget(local_ranks: int | None = None) -> int:
+    """Half the memory available now, shared by the node's ranks (``LOCAL_WORLD_SIZE``)."""
+    import psutil
+
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return int(psutil.virtual_memory().available * 0.5 / max(1, ranks))
 
 
 def room(directory: str | os.PathLike[str]) -> int:

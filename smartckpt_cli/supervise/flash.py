@@ -11,21 +11,17 @@ rank with the commit line naming them all), then the journal ``commit`` line: **
 point**. Names come from ``store/names.py``; every file goes through the Storage interface.
 
 Order of calls (the supervisor's, ``ramowner.py``): :func:`take` between the death and the next
-start (the slots read are locked shared, so the next process's snapshots go to the other slot),
-then :func:`flash_persist` on a thread of its own while the next attempt starts; the next
-process's first commit waits for it (``<area>/flash.lock``, held meanwhile), so the journal
-stays in step order. It holds the store's ``gc.lock`` shared while it writes, as a save does.
+start (the slots read are locked shared), then :func:`flash_persist`, before the next attempt
+starts: nothing else appends to the journal meanwhile. It holds the store's ``gc.lock`` shared
+while it writes, as a save does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +33,9 @@ from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION, encod
 from smartckpt_cli.store.names import manifest_rel, part_rel
 from smartckpt_cli.store.retention import GC_LOCK
 
-__all__ = ["FLASH_LOCK", "FlashError", "Held", "flash_persist", "holding", "take"]
+__all__ = ["FlashError", "Held", "flash_persist", "take"]
 
 logger = logging.getLogger(__name__)
-
-FLASH_LOCK = "flash.lock"  # in the RAM area: held while a flash persist writes
 
 
 class FlashError(Exception):
@@ -125,17 +119,6 @@ def take(area: Path, store_id: str | None, newest_disk: int) -> Held | str | Non
     return Held(records, views, stack)
 
 
-@contextlib.contextmanager
-def holding(area: Path) -> Iterator[None]:
-    """``flash.lock`` held exclusively: the next training process's first commit waits for it."""
-    fd = os.open(area / FLASH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def flash_persist(store: StoreDir, held: Held, *, level: int, workers: int = 2) -> tuple[int, str, float]:
     """Write ``held`` to ``store`` as a committed checkpoint (module docstring); returns (step,
     manifest, seconds). Raises :class:`FlashError` (one line) when a chunk fails its hash or the
@@ -174,6 +157,9 @@ def flash_persist(store: StoreDir, held: Held, *, level: int, workers: int = 2) 
             "bytes_new": sum(w[2] for w in written),
             "bytes_total": sum(w[3] for w in written),
         }
+        lineage = (rec0.get("meta") or {}).get("lineage")
+        if lineage:  # the training it continues (engine/manager.py: lineage)
+            line["lineage"] = lineage
         if world > 1:
             dir_id = _dir_id(store)
             line["world_size"] = world

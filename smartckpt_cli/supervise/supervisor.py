@@ -51,6 +51,7 @@ from smartckpt_cli.supervise.policy import (
     backoff,
     classify,
 )
+from smartckpt_cli.supervise.ramowner import RamOwner
 from smartckpt_cli.supervise.records import (
     RUNS_DIR,
     AttemptRecord,
@@ -94,6 +95,7 @@ class Supervisor:
         self._last_usage: Usage | None = None
         self._script = script_name(list(options.command))
         self._report: dict[str, Any] | None = None  # what the current attempt's child said it did
+        self.ram: RamOwner | None = None  # the RAM tier's area (ramowner.py), made by run()
 
     # ------------------------------------------------------------------ the run
 
@@ -111,9 +113,12 @@ class Supervisor:
         if warn:
             self.emit("warning", warn)
         self.signals.install()
+        self.ram = RamOwner.open(self.s, self.run_id, self.emit)
         try:
             return self._loop()
         finally:
+            if self.ram is not None:
+                self.ram.close()
             self.signals.uninstall()
             self.record.ended = time.time()
             self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
@@ -173,6 +178,11 @@ class Supervisor:
                     f"; last sample: {u.rss / 2**30:.2f} GiB resident, {u.mem_available / 2**30:.2f} GiB free"
                 )
             self.record.attempts.append(att)
+            if outcome.action != "done" and self.ram is not None:
+                # the dead attempt's RAM snapshot, when newer than the disk's: a checkpoint now
+                att.flash_persisted = self.ram.persist(
+                    self.dir, self.s.meta_dir, self.store.newest_step(), level=self.s.compression_level
+                )
             if outcome.action == "done":
                 return self._finish(
                     "finished", 0, f"training finished after {self.record.restarts} restart(s)"
@@ -271,6 +281,8 @@ class Supervisor:
             attempt=attempt,
             mtbf=mtbf,
         )
+        if self.ram is not None:
+            env.update(self.ram.env())
         pipe = subprocess.PIPE if self.opts.output is not None else None
         if pipe:
             env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold its lines back until exit
