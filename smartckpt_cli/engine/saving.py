@@ -245,16 +245,17 @@ class SavePath:
             snap.meta[ddp_layout.DDP_META] = ddp
         if self.lineage is not None:
             snap.meta["lineage"] = self.lineage
-        if ram_only:
-            return self._hand_over(snap, t0, ram_only=True)
         # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
-        # of the next step, whose loss and gradients exist already: they go with the checkpoint.
+        # of the next step, whose loss and gradients exist already: they go with the checkpoint
+        # (a RAM snapshot's too).
         ahead = self._ahead
         next_step: Values | None = None
         slot: NextStepSlot | None = None
         if ahead is not None and ahead[0] == step + 1:
             next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
-        else:  # taken at step(step + 1): into the manifest if still in time, else the journal
+        if ram_only:
+            return self._hand_over(snap, t0, ram_only=True, next_step=next_step)
+        if next_step is None:  # taken at step(step + 1): into the manifest if still in time, else the journal
             slot = NextStepSlot()
             snap.before_manifest = slot.close
         snap_time = time.monotonic()
@@ -290,7 +291,7 @@ class SavePath:
                 self._lazy_snapshot = snap
             self._clock.skip()
             self._uncalm()
-            future = self._saver.submit(self._persist_ram, snap)
+            future = self._saver.submit(self._persist_ram, snap, next_step)
         else:
             future = self._saver.submit(self._persist, snap, snap_time, next_step)
         if self._ram is not None:
@@ -318,8 +319,10 @@ class SavePath:
         finally:
             self._ram_end(snap.ram_slot)
 
-    def _persist_ram(self, snap: Any) -> CommitInfo | None:
+    def _persist_ram(self, snap: Any, next_step: Values | None = None) -> CommitInfo | None:
         """Save thread: a RAM snapshot alone (``_hand_over``); its failure is said, never raised."""
+        if next_step is not None:
+            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
         self._ram_commit(snap)
         return None
 
@@ -332,9 +335,11 @@ class SavePath:
         }
 
     def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
-        self._ram_commit(snap)  # in the RAM tier first: a crash while writing to disk loses nothing
         if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
             snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
+        # in the RAM tier first (with the next step's values: a restore from RAM checks them
+        # too): a crash while the disk is written loses nothing
+        self._ram_commit(snap)
         try:
             info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:

@@ -87,7 +87,11 @@ class Snapshot:
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the
-        optimizer step go on. Always releases the guard, even if a copy fails."""
+        optimizer step go on. Always releases the guard, even if a copy fails. Once only: after
+        the guard is released the live tensors move on (the RAM tier's commit and the writer
+        both wait for the copies; a second copy would take the next step's values)."""
+        if self.copied.is_set():
+            return
         try:
             for buf, live in self.lazy:
                 if live.device.type != "cuda":

@@ -107,6 +107,13 @@ class RamOwner:
         )
         return step
 
+    def discard(self) -> None:
+        """After a rollback: no restart may restore the RAM snapshot (it holds the state that
+        kept crashing); the records go, the slots stay for the next snapshots."""
+        for rec in self.area.glob("rank*/" + RAM_RECORD):
+            with contextlib.suppress(OSError):
+                rec.unlink()
+
     def close(self) -> None:
         """The run is over: the area goes (it is memory)."""
         with contextlib.suppress(OSError):

@@ -210,6 +210,8 @@ class Supervisor:
                 )
             if verdict == "rollback":
                 roll_back(self.store, att, self.s.crash_loop, self.emit)
+                if self.ram is not None:  # the RAM snapshot holds the state that kept crashing
+                    self.ram.discard()
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
             # not restore through start_step() (corrected once the next one reports).
             att.restart_from = predicted_start(self._report, self.store.newest_step())
