@@ -91,7 +91,9 @@ def main() -> int:
                 order = ("a", "b") if i % 2 == 0 else ("b", "a")
                 got = {w: block(w, n) for w in order}
                 pairs.append(got)
-                print(f"pair {i + 1}: without {got['a'] * 1e3:.3f} ms/step, with {got['b'] * 1e3:.3f} ms/step")
+                print(
+                    f"pair {i + 1}: without {got['a'] * 1e3:.3f} ms/step, with {got['b'] * 1e3:.3f} ms/step"
+                )
             ram = mgr_b._ram
             snaps = ram.snapshots if ram is not None else 0
             cadence = (round(ram.cost, 4), round(ram.interval(), 3)) if ram is not None else (None, None)
