@@ -7,7 +7,8 @@ restarter; at a random step after ``--warmup`` steps the benchmark SIGKILLs the 
 * ``kill_to_first_step`` — seconds from the kill to the end of the first step the restarted
   process trains (wall clock; the script writes ``step, wall time, pid`` after every step);
 * ``steps_lost`` / ``seconds_lost`` — the steps trained again: the step at the kill minus the
-  step the restart began at, and the seconds the first run had spent on them;
+  step the restart began at, and the seconds the first run had spent on them (when the restart
+  began at step 0: from the killed run's first step, its start-up not counted);
 * for the ``smartckpt run`` set-ups, the phases of the restart from the run record
   (``attempts[1].phases``: start -> restore began, restore, restore -> first step done) and
   ``detected``: kill -> the next attempt started (detection, flash persist, backoff, spawn).
@@ -48,8 +49,13 @@ import os, sys, time
 params, every, mode, progress = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 import torch
 torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-from smartckpt_cli.ops.bench_model import build_model, train_step
-model, opt = build_model(params)
+from smartckpt_cli.ops.bench_model import train_step
+# the bench MLP (ops/bench_model.py), built without its first step: the manager exists before
+# any optimizer steps (else zero-code mode would report the start for it)
+width = min(4096, max(64, int((params / 4) ** 0.5)))
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(max(1, round(params / (width * width + width))))])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 attempt = int(os.environ.get("SMARTCKPT_ATTEMPT", os.environ.get("BENCH_ATTEMPT", "0")))
 if mode == "torch":
     path = os.path.join(os.path.dirname(progress), "plain.pt")
@@ -64,6 +70,7 @@ else:
     mgr.register(model=model, optimizer=opt)
     start = mgr.restore()
 out = open(progress, "a", buffering=1)
+out.write(f"{start} {time.time():.6f} {os.getpid()} {start}\n")  # the start marker
 step = start
 while True:
     step += 1
@@ -107,7 +114,8 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
         if setup == "disk":
             env["SMARTCKPT_RAM"] = "false"
         else:
-            env["SMARTCKPT_RAM_EVERY"] = str(args.ram_every)
+            if args.ram_every > 0:  # 0: the default cadence (2 % of the step time)
+                env["SMARTCKPT_RAM_EVERY"] = str(args.ram_every)
         run = [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", str(work / "ck"), "--every",
                str(args.every), "--", *cmd]  # fmt: skip
         procs = [
@@ -131,7 +139,7 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
         p.wait(timeout=args.timeout)
     seen = _lines(progress)
     killed_step = max(s for s, _, p, _ in seen if p == pid)
-    after = [x for x in seen if x[2] != pid]
+    after = [x for x in seen if x[2] != pid and x[0] > x[3]]  # steps, not the start marker
     if not after:
         raise RuntimeError(f"{setup}: the restarted run trained no step")
     _, first_time, _, began = after[0]
@@ -165,10 +173,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=int, default=4_000_000)
     p.add_argument("--kills", type=int, default=5)
-    p.add_argument("--every", type=int, default=20, help="disk (and torch.save) checkpoint every N steps")
-    p.add_argument("--ram-every", type=float, default=1.0)
-    p.add_argument("--warmup", type=int, default=25, help="kill no earlier than this step")
-    p.add_argument("--spread", type=int, default=20, help="kill within this many steps after --warmup")
+    p.add_argument("--every", type=int, default=100, help="disk (and torch.save) checkpoint every N steps")
+    p.add_argument("--ram-every", type=float, default=1.0, help="0: the RAM tier's default cadence")
+    p.add_argument("--warmup", type=int, default=60, help="kill no earlier than this step")
+    p.add_argument("--spread", type=int, default=30, help="kill within this many steps after --warmup")
     p.add_argument("--setups", default="disk,ram,torch")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--seed", type=int, default=None)

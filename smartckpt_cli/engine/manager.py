@@ -46,7 +46,7 @@ from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
-from smartckpt_cli.engine.ramtier import RamTier
+from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded, same_lineage
 from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
@@ -376,11 +376,12 @@ class CheckpointManager(StepPath, SavePath):
     def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
         """The RAM tier's snapshot, verified, when it is at least as new as ``disk_step``; with
         several ranks only when every rank has verified one of the same step."""
-        if self._ram is None:
-            return None
-        rec = self._ram.candidate(include_unhealthy=include_unhealthy)
+        if self._ram is None and not os.environ.get(ENV_AREA):
+            return None  # no RAM tier on any rank (the area is the same on every rank)
+        # A rank whose tier is off still takes part in the agreement below (a collective).
+        rec = self._ram.candidate(include_unhealthy=include_unhealthy) if self._ram is not None else None
         loaded = None
-        if rec is not None and int(rec["step"]) >= disk_step:
+        if self._ram is not None and rec is not None and int(rec["step"]) >= disk_step:
             loaded = self._ram.load(rec)
         step = int(loaded.record.step) if loaded is not None else None
         if not self._coord.agree_on(step):

@@ -325,6 +325,12 @@ class StepPath:
                 self._eval_cost = 0.0
         # One process: at once. Several ranks: rank 0's trigger decides for all at the agreed
         # decision steps; any rank's preemption signal makes every rank take the blocking save.
+        # Several ranks agree only at decision steps: the next one lands on the step the RAM
+        # tier's clock is due at, as on the policy's step of interest.
+        quiet_step = self._quiet[0]
+        if math.isfinite(self._ram_due) and self._clock.seconds > 0.0:
+            ahead = max(1, math.ceil((self._ram_due - now) / self._clock.seconds))
+            quiet_step = min(quiet_step, float(step + ahead))
         verdict = self._coord.agree_to_save(
             Proposal(
                 step,
@@ -334,7 +340,7 @@ class StepPath:
                 self._busy(),
                 self._preempt.pending,
                 self._clock.seconds,
-                self._quiet[0],
+                quiet_step,
                 sig.own_spacing(),
                 now >= self._ram_due and not (self._inflight is not None and not self._inflight.done()),
             )
