@@ -324,3 +324,44 @@ def test_sigkill_under_smartckpt_run_resumes_from_ram_bit_exact(tmp_path, child_
     assert f"attempt 1: resumed at step {second['start_step']} (restored from ram)" in said
     assert "RAM tier: " in said and "a snapshot every 0.3 s" in said
     assert not list(tmp_path.glob("smartckpt-*")), "the RAM area outlives the run"
+
+
+DDP = ROOT / "tests" / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.slow
+def test_two_ranks_one_sigkilled_resume_from_ram_bit_exact(tmp_path, child_env):
+    """Two DDP ranks under smartckpt run, the disk every 1,000 steps: rank 1 SIGKILLs itself at
+    step 30; the supervisor persists both ranks' RAM snapshots of one step as a two-part
+    checkpoint, both ranks restore that step from RAM, and the end is bit-exact."""
+    env = dict(child_env, OMP_NUM_THREADS="1")
+    ref = subprocess.run(
+        [*TORCHRUN, str(DDP), "--mode", "ddp", "--dir", "ref", "--every", "5", "--total", "40", "--out", "ref"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
+         "0.3", "--", *TORCHRUN, str(DDP), "--mode", "ddp", "--total", "40", "--kill-at", "30", "--kill-rank",
+         "1", "--step-time", "0.05", "--out", "final"],
+        cwd=tmp_path, env=dict(env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    for r in (0, 1):
+        assert_same_state(
+            torch.load(tmp_path / f"final.r{r}", weights_only=True),
+            torch.load(tmp_path / f"ref.r{r}", weights_only=True),
+        )
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    first, second = json.loads(path.read_text())["attempts"]
+    step = first["flash_persisted"]
+    assert step is not None and 0 < step <= 30 and second["start_step"] == step, said
+    assert (
+        second["restored_from"] == "ram" and f"rank 0 start {step}" in said and f"rank 1 start {step}" in said
+    )
+    (commit,) = [r for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
+    assert commit.step == step and commit.reason == "flash persist" and commit.world_size == 2
+    assert not list(tmp_path.glob("smartckpt-*"))
