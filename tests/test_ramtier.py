@@ -268,6 +268,20 @@ def test_flash_persist_writes_the_ram_snapshot_as_a_checkpoint_torch_free(tmp_pa
     assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 80))
 
 
+def test_flash_persist_behind_holds_the_next_commit_until_it_is_written(tmp_path, child_env, area):
+    """The restart does not wait for the flash persist; the next process's first commit does
+    (``flash.lock``, held from before the restart until the journal line is written)."""
+    ram_step = _train(tmp_path, child_env, area, 50, "crash")["RAM"]["step"]
+    got: list[int | None] = []
+    owner = RamOwner(area, 1 << 30, lambda level, msg: None)
+    assert owner.persist_behind(tmp_path / "store", None, 0, level=1, done=got.append) == ram_step
+    ramarea.flash_wait(area)  # what a training process's commit does first
+    (rec,) = Journal(LocalStorage(tmp_path / "store"), tmp_path / "store").read().records
+    assert rec.step == ram_step and rec.reason == "flash persist"
+    owner.wait()
+    assert got == [ram_step]
+
+
 def test_flash_persist_refuses_a_damaged_snapshot(tmp_path, child_env, area):
     _train(tmp_path, child_env, area, 30, "crash")
     entry = _flip_a_byte(area)

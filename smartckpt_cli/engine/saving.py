@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -38,6 +39,7 @@ from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, 
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import UnsupportedValueError
+from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.trigger.cost import SaveCost
@@ -340,6 +342,9 @@ class SavePath:
         # in the RAM tier first (with the next step's values: a restore from RAM checks them
         # too): a crash while the disk is written loses nothing
         self._ram_commit(snap)
+        area = os.environ.get(ramarea.ENV_AREA)
+        if area:  # smartckpt run may still be writing the dead attempt's RAM snapshot: after it
+            ramarea.flash_wait(area)
         try:
             info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:

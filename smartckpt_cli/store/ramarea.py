@@ -47,11 +47,13 @@ __all__ = [
     "DEFAULT_DIR",
     "ENV_AREA",
     "ENV_BYTES",
+    "FLASH_LOCK",
     "RAM_FORMAT",
     "RAM_VERSION",
     "Slot",
     "chunk_hashes",
     "default_budget",
+    "flash_wait",
     "layout",
     "read_record",
     "reading",
@@ -63,6 +65,7 @@ __all__ = [
 ENV_AREA = "SMARTCKPT_RAM_AREA"  # the run's RAM area (smartckpt run's handshake; unset: tier off)
 ENV_BYTES = "SMARTCKPT_RAM_BYTES"  # the budget per rank smartckpt run worked out (bytes)
 DEFAULT_DIR = "/dev/shm"
+FLASH_LOCK = "flash.lock"  # in the area: held by smartckpt run while a flash persist writes
 RAM_FORMAT = "smartckpt-ram"
 RAM_VERSION = 1
 ALIGN = 64  # every entry starts on a cache line (and on any dtype's alignment)
@@ -84,6 +87,20 @@ def default_budget(local_ranks: int | None = None) -> int:
 
     ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return int(psutil.virtual_memory().available * 0.5 / max(1, ranks))
+
+
+def flash_wait(area: str | os.PathLike[str]) -> None:
+    """Until no flash persist of ``smartckpt run`` writes into the store (its ``flash.lock``,
+    exclusive while it writes): a training process's commit comes after it, in step order."""
+    path = Path(area) / FLASH_LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # none was ever started
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    finally:
+        os.close(fd)
 
 
 def room(directory: str | os.PathLike[str]) -> int:

@@ -18,15 +18,17 @@ else appends to the journal meanwhile.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.store import ramarea
-from smartckpt_cli.store.directory import open_store
+from smartckpt_cli.store.directory import StoreDir, open_store
 from smartckpt_cli.store.names import RAM_RECORD, InvalidName, ram_area
 from smartckpt_cli.supervise import flash
 
@@ -44,6 +46,7 @@ class RamOwner:
 
     def __init__(self, area: Path, budget: int, emit: Emit) -> None:
         self.area, self.budget, self.emit = area, budget, emit
+        self._thread: threading.Thread | None = None  # a flash persist running behind
 
     @classmethod
     def open(cls, settings: Settings, run_id: str, emit: Emit) -> RamOwner | None:
@@ -75,8 +78,53 @@ class RamOwner:
         return {ramarea.ENV_AREA: str(self.area), ramarea.ENV_BYTES: str(self.budget)}
 
     def persist(self, store_dir: Path, meta_dir: str | None, newest_disk: int, *, level: int) -> int | None:
-        """Flash persist: the RAM snapshot of the dead attempt into the store when it is newer
-        than ``newest_disk`` (one line either way when there was one); the step written, or None."""
+        """Flash persist, at once: the RAM snapshot of the dead attempt into the store when it is
+        newer than ``newest_disk`` (one line either way when there was one); the step written,
+        or None. For the end of a run (nothing restarts after it)."""
+        self.wait()
+        got = self._take(store_dir, meta_dir, newest_disk)
+        return self._write(got[0], got[1], level) if got is not None else None
+
+    def persist_behind(
+        self,
+        store_dir: Path,
+        meta_dir: str | None,
+        newest_disk: int,
+        *,
+        level: int,
+        done: Callable[[int | None], None],
+    ) -> int | None:
+        """Flash persist while the next attempt starts: the snapshot is taken (its slots locked)
+        now and written on a thread, under ``flash.lock`` held from now on, so the next training
+        process's first commit waits for this one (``engine/ramtier.py``, ``flash_wait``: the
+        journal stays in step order). Returns the step being written (None: nothing to write);
+        ``done`` gets the step written, or None when it failed (said in one line)."""
+        self.wait()
+        got = self._take(store_dir, meta_dir, newest_disk)
+        if got is None:
+            return None
+        fd = os.open(self.area / ramarea.FLASH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # before the next process exists: it cannot commit first
+
+        def run() -> None:
+            try:
+                done(self._write(got[0], got[1], level))
+            finally:
+                os.close(fd)  # drops the lock
+
+        self._thread = threading.Thread(target=run, name="smartckpt-flash", daemon=True)
+        self._thread.start()
+        return got[1].step
+
+    def wait(self) -> None:
+        """Until a flash persist running behind is written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _take(
+        self, store_dir: Path, meta_dir: str | None, newest_disk: int
+    ) -> tuple[StoreDir, flash.Held] | None:
         try:
             store = open_store(store_dir, meta_dir=meta_dir, create=False)
             store_id = store.journal.read().store_id
@@ -93,6 +141,9 @@ class RamOwner:
         if isinstance(held, str):
             self.emit("warning", f"flash persist: {held}")
             return None
+        return store, held
+
+    def _write(self, store: StoreDir, held: flash.Held, level: int) -> int | None:
         try:
             step, manifest, seconds = flash.flash_persist(store, held, level=level)
         except (flash.FlashError, OSError, SmartckptError) as err:
@@ -102,8 +153,7 @@ class RamOwner:
             held.release()
         self.emit(
             "info",
-            f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now "
-            f"({manifest}, {seconds:.2f} s); the disk's newest was step {newest_disk}",
+            f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now ({manifest}, {seconds:.2f} s)",
         )
         return step
 
@@ -116,5 +166,6 @@ class RamOwner:
 
     def close(self) -> None:
         """The run is over: the area goes (it is memory)."""
+        self.wait()
         with contextlib.suppress(OSError):
             shutil.rmtree(self.area)

@@ -25,6 +25,7 @@ output, a hang's stack dump), restarts.py (work lost, rollback, diagnosis, the w
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -178,8 +179,9 @@ class Supervisor:
                     f"; last sample: {u.rss / 2**30:.2f} GiB resident, {u.mem_available / 2**30:.2f} GiB free"
                 )
             self.record.attempts.append(att)
-            if outcome.action != "done" and self.ram is not None:
-                # the dead attempt's RAM snapshot, when newer than the disk's: a checkpoint now
+            if outcome.action not in ("done", "restart") and self.ram is not None:
+                # nothing restarts: the dead attempt's RAM snapshot, when newer than the disk's,
+                # becomes a checkpoint at once
                 att.flash_persisted = self.ram.persist(
                     self.dir, self.s.meta_dir, self.store.newest_step(), level=self.s.compression_level
                 )
@@ -212,9 +214,21 @@ class Supervisor:
                 roll_back(self.store, att, self.s.crash_loop, self.emit)
                 if self.ram is not None:  # the RAM snapshot holds the state that kept crashing
                     self.ram.discard()
+            newest = self.store.newest_step()
+            if self.ram is not None and verdict != "rollback":
+                # the dead attempt's RAM snapshot, when newer than the disk's, becomes a
+                # checkpoint while the next attempt starts (its first commit waits for it)
+                writing = self.ram.persist_behind(
+                    self.dir,
+                    self.s.meta_dir,
+                    newest,
+                    level=self.s.compression_level,
+                    done=functools.partial(setattr, att, "flash_persisted"),
+                )
+                newest = max(newest, writing or 0)
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
             # not restore through start_step() (corrected once the next one reports).
-            att.restart_from = predicted_start(self._report, self.store.newest_step())
+            att.restart_from = predicted_start(self._report, newest)
             record_lost(att, self._step_seen)
             if self.record.restarts >= self.s.max_restarts:
                 return self._finish(
