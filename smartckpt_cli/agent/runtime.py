@@ -45,6 +45,7 @@ from smartckpt_cli.engine.heartbeat import (
     register_exit,
     run_dir,
     set_done_at_exit,
+    trouble,
 )
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.errors import EXIT_REMOTE_UNREACHABLE, RemoteStartRefused
@@ -274,14 +275,28 @@ def _refuse_start(err: RemoteStartRefused) -> NoReturn:
 
 
 def _disable(what: str, err: BaseException) -> None:
-    global _off, _zc
+    """Zero-code checkpointing turns itself off (an error of its own it cannot step past): the
+    training goes on, never in silence. Why goes into the journal, the heartbeat (a flag) and the
+    report, so that ``smartckpt run`` shows it in its status line and exit summary and
+    ``smartckpt inspect`` lists it; the heartbeat keeps beating the steps (hang detection and the
+    lost-work count still hold)."""
+    global _off, _zc, _beat_only
     _report(what, err)
     logger.debug("zero-code checkpointing disabled", exc_info=err)
     _off = True
     zc, _zc = _zc, None
     set_done_at_exit(True)
+    why = f"{what}: {type(err).__name__}: {err}"[:300]
+    step = zc.step if zc is not None else 0
+    trouble("CHECKPOINTING_OFF", True)
+    report(checkpointing_off={"why": why, "step": step})
+    counter = _StepCounter()
+    counter.primary, counter.step = (zc.primary, step) if zc is not None else (None, step)
+    _beat_only = counter
     if zc is not None:
         zc.active = False
+        with contextlib.suppress(Exception):
+            zc.mgr.record_event({"event": "checkpointing_off", "step": step, "why": why})
         with contextlib.suppress(Exception):
             zc.mgr.close()
 

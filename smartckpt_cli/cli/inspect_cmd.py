@@ -126,6 +126,14 @@ def inspect(
     if catalog.failures:
         last = catalog.failures[-1]
         say(f"{len(catalog.failures)} failed save(s); last: {last.get('error', '?')}", error=True)
+    for off in catalog.checkpointing_off:
+        say(
+            f"zero-code checkpointing turned itself off at step {off.get('step')} ({off.get('utc', '?')}): "
+            f"{off.get('why', '?')}; that run trained on without checkpoints",
+            error=True,
+        )
+    for io in catalog.io_errors:
+        say(f"writing the {io.get('what')} failed ({io.get('utc', '?')}): {io.get('error', '?')}", error=True)
     if remote_view is not None:
         say(_remote_line(remote_view))
 

@@ -24,7 +24,7 @@ from smartckpt_cli.config import load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
 from smartckpt_cli.supervise.records import AttemptRecord
-from smartckpt_cli.supervise.runstate import RunOptions, RunState
+from smartckpt_cli.supervise.runstate import RunOptions, RunState, trouble_text
 from smartckpt_cli.supervise.supervisor import Supervisor
 
 __all__ = ["run_command"]
@@ -58,12 +58,17 @@ def _status(st: RunState, meta_root: Path | None = None) -> str:
         parts.append(f"step {st.step}")
     if st.loss is not None:
         parts.append(f"loss {st.loss:.4g}")
+    if st.child_state not in ("", "training", "done"):  # waiting for the remote, saving, restoring
+        parts.append(st.child_state)
     if st.checkpoint_step:
         age = time.time() - (st.checkpoint_seen or time.time())
         parts.append(f"checkpoint {st.checkpoint_step} ({age:.0f}s ago)")
     remote = _remote_cell(meta_root)
     if remote:
         parts.append(f"remote: {remote}")
+    trouble = trouble_text(st)
+    if trouble:
+        parts.append(f"PROBLEM: {trouble}")
     parts.append(st.usage.line())
     return ", ".join(parts)
 
@@ -89,6 +94,9 @@ def _panel(st: RunState, meta_root: Path | None = None) -> Table:
     remote = _remote_cell(meta_root)
     if remote:
         t.add_row("remote", remote)
+    trouble = trouble_text(st)
+    if trouble:
+        t.add_row("problem", trouble, style="bold red")
     t.add_row("hang timeout", f"{st.hang_timeout:.0f} s" if st.hang_timeout else "off")
     t.add_row("resources", st.usage.line())
     t.add_row("wall", f"{time.time() - st.started:.0f} s")

@@ -502,8 +502,15 @@ class CheckpointManager(StepPath, SavePath):
         event: dict[str, Any] = {"event": "io_error" if err else "io_ok", "what": what}
         if err is not None:
             event["error"] = f"{type(err).__name__}: {err}"[:300]
+        heartbeat.trouble("IO_FAILING", err is not None)
+        report(io_error={"what": what, "error": event["error"]} if err is not None else None)
         if self._coord.leads:
             self._journal_event(event)
+
+    def record_event(self, event: dict[str, Any]) -> None:
+        """An event of the training into the journal (kept until the journal can take it, never
+        raises): zero-code mode says there why it turned itself off."""
+        self._journal_event(dict(event))
 
     def close(self) -> list[str]:
         """Wait for the save in flight, stop the background threads, release the store.

@@ -35,6 +35,7 @@ from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.ramtier import RamTier
+from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
@@ -363,6 +364,7 @@ class SavePath:
             self._journal_event({"event": "blob_repaired", "step": snap.step, "blobs": repaired[:100]})
         if self._unjournalled:
             self._journal_event()  # what could not be written while the disk was full
+        heartbeat.trouble("SAVE_FAILING", False)  # saves work again (smartckpt run's status line)
         for observer in self._observers:
             try:
                 observer.on_commit(info)
@@ -392,10 +394,15 @@ class SavePath:
             seen = self._stats.causes.get(cause, 0)
             self._stats.causes[cause] = seen + 1
             self._scheduled = self._committed
+            count = len(self._stats.failures)
         if seen == 0:
             logger.error("%s (training continues; the next trigger tries again)", msg)
         else:
             logger.debug("%s (the same cause, %d time(s) before)", msg, seen)
+        # smartckpt run's status line: the flag at once (a mapping: it gets through a full disk),
+        # the details when the report can be written.
+        heartbeat.trouble("SAVE_FAILING", True)
+        report(save_failures={"count": count, "last": msg[:300], "step": step})
         if self._coord.leads:  # one line per failed save, whichever rank failed
             self._journal_event(
                 {"event": "save_failed", "step": step, "error": msg[:500], "cause": cause, "repeat": seen}

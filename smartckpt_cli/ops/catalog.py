@@ -85,6 +85,10 @@ class Catalog:
     failures: list[dict[str, Any]] = field(default_factory=list)
     lineages: list[Lineage] = field(default_factory=list)  # oldest first
     resume_checks: list[dict[str, Any]] = field(default_factory=list)  # journal order
+    # zero-code checkpointing that turned itself off ({"step", "why"}), journal order
+    checkpointing_off: list[dict[str, Any]] = field(default_factory=list)
+    # writes on the loop's path that failed and were not followed by one that worked ({"what", "error"})
+    io_errors: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +98,8 @@ class Catalog:
             "resume_checks": self.resume_checks,
             "journal_problems": self.journal_problems,
             "save_failures": self.failures,
+            "checkpointing_off": self.checkpointing_off,
+            "io_errors": self.io_errors,
         }
 
 
@@ -270,10 +276,33 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 line=line_of.get(rec.id, "A"),
             )
         )
-    checks = [
-        {k: v for k, v in ev.items() if k != "crc"} for ev in events if ev.get("event") == "resume_check"
-    ]
-    return Catalog(state.store_id, rows, state.problems, state.failures, lines, checks)
+    checks = _events(events, "resume_check")
+    return Catalog(
+        state.store_id,
+        rows,
+        state.problems,
+        state.failures,
+        lines,
+        checks,
+        _events(events, "checkpointing_off"),
+        _open_io_errors(events),
+    )
+
+
+def _events(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [{k: v for k, v in ev.items() if k != "crc"} for ev in events if ev.get("event") == kind]
+
+
+def _open_io_errors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest ``io_error`` of each thing written (``what``) that no ``io_ok`` followed."""
+    open_: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        what = ev.get("what")
+        if ev.get("event") == "io_error" and isinstance(what, str):
+            open_[what] = {k: v for k, v in ev.items() if k != "crc"}
+        elif ev.get("event") == "io_ok" and isinstance(what, str):
+            open_.pop(what, None)
+    return list(open_.values())
 
 
 class _BlobChecks:

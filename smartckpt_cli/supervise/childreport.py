@@ -22,6 +22,8 @@ __all__ = [
     "restart_phases",
     "script_name",
     "start_line",
+    "trouble_lines",
+    "trouble_summary",
 ]
 
 FIX_CALL = (
@@ -76,6 +78,14 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
     if report.get("no_optimizer") and not att.no_optimizer:
         att.no_optimizer = True
         new.append("no_optimizer")
+    for key in ("checkpointing_off", "save_failures", "io_error"):
+        value = report.get(key)
+        # io_error turns null when writing works again: the record keeps the last one seen.
+        # What is new is what was never seen in this attempt: said once, then kept current.
+        if isinstance(value, dict) and value != getattr(att, key):
+            if getattr(att, key) is None:
+                new.append(key)
+            setattr(att, key, value)
     return new
 
 
@@ -94,6 +104,60 @@ def restart_phases(started: float, report: dict[str, Any]) -> dict[str, float] |
         out["to_first_step"] = round(first - done, 4)
         out["start_to_first_step"] = round(first - started, 4)
     return out
+
+
+def trouble_lines(att: AttemptRecord, new: list[str]) -> list[tuple[str, str]]:
+    """The (level, line)s for what went wrong that ``new`` (from :func:`learn`) brings."""
+    lines = []
+    if "checkpointing_off" in new and att.checkpointing_off is not None:
+        off = att.checkpointing_off
+        lines.append(
+            (
+                "error",
+                f"attempt {att.attempt}: zero-code checkpointing turned itself off at step {off.get('step')} "
+                f"({off.get('why')}); training goes on WITHOUT checkpoints: a crash from now on loses "
+                "everything after the last checkpoint",
+            )
+        )
+    if "save_failures" in new and att.save_failures is not None:
+        lines.append(
+            (
+                "warning",
+                f"attempt {att.attempt}: background saves fail ({att.save_failures.get('last')}); "
+                "training goes on and the next trigger tries again",
+            )
+        )
+    if "io_error" in new and att.io_error is not None:
+        lines.append(
+            (
+                "warning",
+                f"attempt {att.attempt}: cannot write its {att.io_error.get('what')} "
+                f"({att.io_error.get('error')}); training goes on",
+            )
+        )
+    return lines
+
+
+def trouble_summary(attempts: list[AttemptRecord]) -> str:
+    """What went wrong during the run, for the exit summary ("" when nothing did)."""
+    notes = []
+    for att in attempts:
+        if att.checkpointing_off is not None:
+            notes.append(
+                f"attempt {att.attempt} trained without checkpoints from step "
+                f"{att.checkpointing_off.get('step')} (zero-code checkpointing off: {att.checkpointing_off.get('why')})"
+            )
+        if att.save_failures is not None:
+            notes.append(
+                f"attempt {att.attempt}: {att.save_failures.get('count')} background save(s) failed "
+                f"(last: {att.save_failures.get('last')})"
+            )
+        if att.io_error is not None:
+            notes.append(
+                f"attempt {att.attempt}: could not write its {att.io_error.get('what')} "
+                f"({att.io_error.get('error')})"
+            )
+    return "; ".join(notes)
 
 
 def start_line(

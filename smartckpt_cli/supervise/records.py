@@ -71,6 +71,12 @@ class AttemptRecord:
     resume_check: dict[str, Any] | None = None
     began_again: str = ""  # why it began at step 0 although a checkpoint existed
     no_optimizer: bool = False  # backward passes, but no torch.optim optimizer ever stepped
+    # What went wrong while it trained, as the child reported it: zero-code checkpointing that
+    # turned itself off ({"why", "step"}), failed background saves ({"count", "last", "step"}),
+    # the newest write on the loop's path that failed ({"what", "error"}).
+    checkpointing_off: dict[str, Any] | None = None
+    save_failures: dict[str, Any] | None = None
+    io_error: dict[str, Any] | None = None
     ended: float = 0.0
     max_step: int | None = None  # highest step a heartbeat reported (None: no heartbeat)
     max_committed: int | None = None  # newest step committed during the attempt

@@ -40,7 +40,15 @@ from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.redact import redact_argv
 from smartckpt_cli.supervise.child import RunDir, child_env, hooks_dir, interpreter_flags_warning
-from smartckpt_cli.supervise.childreport import lead_report, learn, predicted_start, script_name, start_line
+from smartckpt_cli.supervise.childreport import (
+    lead_report,
+    learn,
+    predicted_start,
+    script_name,
+    start_line,
+    trouble_lines,
+    trouble_summary,
+)
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
 from smartckpt_cli.supervise.policy import (
@@ -274,6 +282,9 @@ class Supervisor:
         if outcome in ("crash-loop", "failed", "gave-up"):
             self.record.diagnosis = message
         self.emit(level, message)
+        trouble = trouble_summary(self.record.attempts)
+        if trouble:  # a run that "finished" without checkpoints must not read as a clean one
+            self.emit("warning", f"during this run: {trouble}")
         return code
 
     # ------------------------------------------------------------------ one attempt
@@ -314,6 +325,7 @@ class Supervisor:
         self._report = None
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
+        self.state.trouble, self.state.trouble_detail = 0, {}
         newest = f" (newest checkpoint: step {start_step})" if start_step else ""
         self.emit("info", f"attempt {attempt}: started pid {proc.pid}{newest}")
         fwd = self.signals
@@ -422,6 +434,9 @@ class Supervisor:
             return
         self._report = report
         new = learn(att, report, self._script)
+        self._trouble_detail(att)
+        for level, text in trouble_lines(att, new):
+            self.emit(level, text)
         if "start" not in new:
             return
         prev = self.record.attempts[-1] if self.record.attempts else None
@@ -430,9 +445,24 @@ class Supervisor:
             prev.restart_from = att.start_step
             record_lost(prev, self._step_seen)
             self._save_record()
-        line = start_line(att, report, self._script, prev)
-        if line is not None:
-            self.emit(*line)
+        said = start_line(att, report, self._script, prev)
+        if said is not None:
+            self.emit(*said)
+
+    def _trouble_detail(self, att: AttemptRecord) -> None:
+        """The reasons behind the heartbeat's trouble flags, for the status line."""
+        detail = self.state.trouble_detail
+        detail.clear()
+        if att.checkpointing_off is not None:
+            detail[proto.CHECKPOINTING_OFF] = (
+                f"since step {att.checkpointing_off.get('step')}: {att.checkpointing_off.get('why')}"
+            )
+        if att.save_failures is not None:
+            detail[proto.SAVE_FAILING] = (
+                f"{att.save_failures.get('count')} failed, last: {att.save_failures.get('last')}"
+            )
+        if att.io_error is not None:
+            detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"
 
     def _checkpoint_seen(self, position: int) -> None:
         newest = self.store.newest_step()

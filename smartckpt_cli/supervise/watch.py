@@ -58,6 +58,9 @@ def observe(
     lead = min(beats, key=lambda b: (b.rank if b.rank >= 0 else 0, b.pid))
     state.heartbeat = True
     state.step, state.child_state = step, lead.state_name
+    state.trouble = 0
+    for b in beats:
+        state.trouble |= b.trouble
     state.loss = lead.loss if lead.loss == lead.loss else None
     att.max_step = max(att.max_step or 0, step)
     seen.setdefault(step, time.time())
