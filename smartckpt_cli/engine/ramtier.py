@@ -312,6 +312,15 @@ class RamTier:
             return None
         if rec is None or rec["store_id"] != self.store_id:
             return None
+        if rec.get("world_size") != self.world or rec.get("rank") != self.rank:
+            # another world size: each rank's snapshot is its old part; the disk reshards
+            logger.warning(
+                "smartckpt: the RAM snapshot of step %d was taken by rank %s of %s; restoring from disk",
+                rec["step"],
+                rec.get("rank"),
+                rec.get("world_size"),
+            )
+            return None
         if rec.get("health") != "ok" and not include_unhealthy:
             logger.warning(
                 "smartckpt: the RAM snapshot of step %d is %s; restoring from disk",
