@@ -23,10 +23,15 @@ THROUGHPUT_MIN = 0.99  # smartckpt with a save every 10 s vs. no checkpointing, 
 
 
 def _load(path: Path) -> Any:
+    """A result file's measurements (its ``details``: what the script measured, as it has
+    always written them); None when the file is missing or unreadable."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    if isinstance(data, dict) and data.get("format") == "smartckpt-bench-result":
+        return data.get("details")
+    return data
 
 
 def _ms(x: float | None) -> str:

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCUMENTS = ("README.md", "docs/benchmarks.md")
 FORMAT, VERSION = "smartckpt-bench-result", 1
-UNITS = {"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count"}
+UNITS = {"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count", "num"}
 _MARK = re.compile(r"^<!-- (/?)figures:([A-Za-z0-9_.-]+) -->$")
 _SCALE = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "B": 1.0, "MB": 1e6, "GB": 1e9, "MB/s": 1e6, "GB/s": 1e9}
 _KIND = {"s": "time", "ms": "time", "us": "time", "B": "size", "MB": "size", "GB": "size"}
@@ -56,8 +56,9 @@ class ResultError(Exception):
     """A result file that is missing or malformed, a figure it lacks, a section nobody renders."""
 
 
-def check_result(data: Any) -> list[str]:
-    """What is wrong with one result file's content (empty: nothing)."""
+def check_result(data: Any, committed: bool = True) -> list[str]:
+    """What is wrong with one result file's content (empty: nothing). ``committed``: a file the
+    documents may cite, which must name the commit it measured and no uncommitted code."""
     if not isinstance(data, dict):
         return ["not a JSON object"]
     problems = []
@@ -66,9 +67,11 @@ def check_result(data: Any) -> list[str]:
     for key in ("benchmark", "command", "date"):
         if not isinstance(data.get(key), str) or not data[key].strip():
             problems.append(f"no {key}")
-    if not isinstance(data.get("commit"), str) or not re.fullmatch(r"[0-9a-f]{40}", data["commit"]):
+    if committed and (
+        not isinstance(data.get("commit"), str) or not re.fullmatch(r"[0-9a-f]{40}", data["commit"])
+    ):
         problems.append("no commit (a 40-digit git hash)")
-    if data.get("dirty") is not False:
+    if committed and data.get("dirty") is not False:
         problems.append("measured with uncommitted changes to the code (dirty is not false)")
     device = data.get("device")
     if not isinstance(device, dict) or not device.get("type") or not device.get("name"):
@@ -172,7 +175,7 @@ class Section:
         text = fmt.format(value) if fmt else _number(value)
         if shown == "x":
             return f"{text}×"
-        if shown in ("count", "steps"):
+        if shown in ("count", "num"):
             return text
         return f"{text} {'µs' if shown == 'us' else shown}"
 

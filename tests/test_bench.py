@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.ops.bench_result import RATIOS
+from smartckpt_cli.ops.bench_result import DERIVED, RATIOS
 from smartckpt_cli.ops.bench_throughput import CONTENDERS
 
 MEASURES = {
@@ -34,6 +34,9 @@ MEASURES = {
     "smartckpt.restore",
     "train_step",
     "train_step_with_lazy_save",
+    "smartckpt.eager_step_with_save",
+    "train_step_plain",
+    "dcp.async_save.step_with_save",
 }
 REPS, ROUNDS, EVERY = 2, 2, 0.3
 
@@ -59,23 +62,28 @@ def bench_run(tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    return json.loads(out.read_text()), work, proc
+    record = json.loads(out.read_text())
+    return record["details"], work, proc, record
 
 
 @pytest.mark.slow
 def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
-    res, work, proc = bench_run
+    res, work, proc, _ = bench_run
     assert res["reps"] == REPS and 2.5e6 < res["params"] < 3.5e6
     assert res["device"] == "cpu" and res["complete"] is True
     assert res["parts_done"] == ["first-save", "throughput", "saves"]
-    assert "plain async_save" in res["dcp_async_staging"]  # on CPU: no pinned staging to pick
-    assert set(res["median_seconds"]) == MEASURES | {"smartckpt.first_lazy_loop_wait"}
+    # on CPU too, DCP stages on its own thread, overlapping the next step as smartckpt's lazy copy does
+    assert "asynchronous staging on a background thread" in res["dcp_async_staging"]
+    assert set(res["median_seconds"]) == MEASURES | set(DERIVED) | {"smartckpt.first_lazy_loop_wait"}
     for name in MEASURES:
         samples = res["samples"][name]
         assert len(samples) == REPS and all(s > 0 for s in samples), name
     assert len(res["samples"]["smartckpt.first_lazy_loop_wait"]) == 1
     assert set(res["ratios"]) == set(RATIOS)
     med = res["median_seconds"]
+    for name, (with_save, without) in DERIVED.items():  # the step-time differences, per repetition
+        pairs = zip(res["samples"][with_save], res["samples"][without], strict=True)
+        assert med[name] == pytest.approx(statistics.median(a - b for a, b in pairs)), name
     for label, (a, b) in RATIOS.items():
         assert res["ratios"][label] == pytest.approx(med[a] / med[b]), label
     sizes = res["bytes_on_disk"]
@@ -84,6 +92,37 @@ def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
     assert sizes["dcp.save"] > 0
     assert list(work.iterdir()) == [], "the bench left files in its work directory"
     assert "training throughput, a save every 0.3 s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_json_is_a_result_file_with_its_command_and_figures(bench_run) -> None:
+    """`--json` writes the result file every benchmark writes (docs/benchmarks.md): the command
+    as run, the machine, and every median, ratio and size as a figure with its unit."""
+    res, _, _, record = bench_run
+    render_docs = _render_docs()
+    problems = render_docs.check_result(record, committed=False)
+    assert problems == [], problems
+    assert record["command"].startswith("smartckpt bench --device cpu --params 3e6")
+    assert record["benchmark"] == "bench" and record["device"]["type"] == "cpu"
+    assert record["machine"]["cpus"] >= 1 and record["machine"]["memory_bytes"] > 0
+    figures = record["figures"]
+    for name, value in res["median_seconds"].items():
+        assert figures[name] == {"value": value, "unit": "s", "what": figures[name]["what"]}, name
+    for label, value in res["ratios"].items():
+        assert figures[f"ratio: {label}"]["value"] == value and figures[f"ratio: {label}"]["unit"] == "x"
+    assert figures["bytes.smartckpt"]["value"] == res["bytes_on_disk"]["smartckpt"]
+    assert figures["throughput.smartckpt.ratio"]["unit"] == "x"
+
+
+def _render_docs():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "render_docs.py"
+    spec = importlib.util.spec_from_file_location("render_docs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
@@ -159,7 +198,7 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_parts_and_cleans_up(tmp_pat
             proc.kill()
     err = proc.stderr.read()[-3000:] if proc.stderr else ""
     assert rc == 128 + signal.SIGTERM, err
-    res = json.loads(out.read_text())
+    res = json.loads(out.read_text())["details"]
     assert res["parts_done"] == ["first-save"] and res["complete"] is False, (res["parts_done"], err)
     assert res["samples"]["smartckpt.first_lazy_loop_wait"][0] > 0
     left = sorted(str(p.relative_to(work)) for p in work.rglob("*"))

@@ -27,8 +27,9 @@ FORMAT = "smartckpt-bench-result"
 VERSION = 1
 
 # What a figure's value is in. Ratios are "x" (0.98 = 0.98 times the anchor); "%" values are
-# percentages (0.9 means 0.9 %), never fractions.
-UNITS = frozenset({"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count"})
+# percentages (0.9 means 0.9 %), never fractions; "num" is any other plain number (a loss, a
+# relative error).
+UNITS = frozenset({"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count", "num"})
 
 # Changes here do not change what a benchmark measures: the results themselves and the documents.
 _NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)*.md", ":(exclude)docs")
@@ -53,11 +54,14 @@ def _repo_root(start: Path) -> Path | None:
 
 
 def git_state(start: str | os.PathLike[str]) -> tuple[str | None, bool | None]:
-    """(HEAD commit, whether tracked code differs from it) of the checkout holding ``start``;
-    (None, None) outside a git checkout or without git."""
+    """(HEAD commit, whether tracked code differs from it) of the checkout holding ``start``.
+    Outside a checkout (an installed copy, as the GPU check runs), ``BENCH_GIT_COMMIT`` and
+    ``BENCH_GIT_DIRTY`` (``0``/``1``) say it, when set; else (None, None)."""
     root = _repo_root(Path(start).resolve())
     if root is None:
-        return None, None
+        commit = os.environ.get("BENCH_GIT_COMMIT") or None
+        dirty = os.environ.get("BENCH_GIT_DIRTY")
+        return commit, None if dirty is None or commit is None else dirty == "1"
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
