@@ -323,14 +323,39 @@ def main() -> None:
             r = per[m]
             what = f"round trip, {label}, {m}"
             rec.add(f"roundtrip.{label}.{m}.nonzero", r["nonzero"], "count", f"{what}: nonzero values before")
-            rec.add(f"roundtrip.{label}.{m}.to_zero", r["to_zero"], "count", f"{what}: nonzero values that became 0")
-            rec.add(f"roundtrip.{label}.{m}.to_inf", r["to_inf"], "count", f"{what}: finite values that became inf")
-            rec.add(f"roundtrip.{label}.{m}.max_rel_err", r["max_rel_err"], "num", f"{what}: largest relative error")
+            rec.add(
+                f"roundtrip.{label}.{m}.to_zero",
+                r["to_zero"],
+                "count",
+                f"{what}: nonzero values that became 0",
+            )
+            rec.add(
+                f"roundtrip.{label}.{m}.to_inf",
+                r["to_inf"],
+                "count",
+                f"{what}: finite values that became inf",
+            )
+            rec.add(
+                f"roundtrip.{label}.{m}.max_rel_err",
+                r["max_rel_err"],
+                "num",
+                f"{what}: largest relative error",
+            )
             if "patched" in r:
-                rec.add(f"roundtrip.{label}.{m}.patched", r["patched"], "count", f"{what}: values kept exactly beside the tensor")
+                rec.add(
+                    f"roundtrip.{label}.{m}.patched",
+                    r["patched"],
+                    "count",
+                    f"{what}: values kept exactly beside the tensor",
+                )
     for label, r in results.get("resume", {}).items():
         what = f"resume from {label} vs the exact resume, {args.continue_steps} steps later"
-        rec.add(f"resume.{label}.final_loss_diff", r["final_loss_diff"], "num", f"{what}: |loss difference| at the last step")
+        rec.add(
+            f"resume.{label}.final_loss_diff",
+            r["final_loss_diff"],
+            "num",
+            f"{what}: |loss difference| at the last step",
+        )
         rec.add(f"resume.{label}.eval_diff", r["eval_diff"], "num", f"{what}: |held-out loss difference|")
     rec.details = results
     rec.write(args.json)

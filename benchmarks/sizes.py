@@ -399,7 +399,12 @@ def main() -> None:
         r = results[label]
         rec.add(f"{label}.params", r["params"], "count", f"{what}: parameters")
         for prec, q in r["precisions"].items():
-            rec.add(f"{label}.{prec}.ratio", q["ratio"], "x", f"{what}, precision {prec}: bytes on disk / torch.save's")
+            rec.add(
+                f"{label}.{prec}.ratio",
+                q["ratio"],
+                "x",
+                f"{what}, precision {prec}: bytes on disk / torch.save's",
+            )
             rec.add(
                 f"{label}.{prec}.ratio_without_embedding",
                 q["ratio_without_embedding"],
@@ -409,7 +414,12 @@ def main() -> None:
     if "frozen" in results:
         f = results["frozen"]
         rec.add("frozen.fraction_pct", 100 * f["frozen_params"] / f["params"], "%", "frozen parameters")
-        rec.add("frozen.ratio", f["ratio_disk_delta"], "x", "second checkpoint's disk delta / raw trainable parameters and their AdamW state")
+        rec.add(
+            "frozen.ratio",
+            f["ratio_disk_delta"],
+            "x",
+            "second checkpoint's disk delta / raw trainable parameters and their AdamW state",
+        )
     rec.details = results
     rec.write(args.json)
     print(f"wrote {args.json}")

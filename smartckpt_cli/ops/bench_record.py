@@ -29,10 +29,23 @@ VERSION = 1
 # What a figure's value is in. Ratios are "x" (0.98 = 0.98 times the anchor); "%" values are
 # percentages (0.9 means 0.9 %), never fractions; "num" is any other plain number (a loss, a
 # relative error).
-UNITS = frozenset({"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count", "num"})
+UNITS = frozenset(
+    {"s", "ms", "us", "x", "%", "B", "MB", "GB", "MB/s", "GB/s", "steps/s", "steps", "count", "num"}
+)
 
-# Changes here do not change what a benchmark measures: the results themselves and the documents.
-_NOT_CODE = (":(exclude)benchmarks/results", ":(exclude)*.md", ":(exclude)docs")
+# What a benchmark runs: a change here, not committed, makes its result "dirty". The results, the
+# documents, the tests and the tools that only render or summarise results do not count.
+_MEASURING = (
+    "smartckpt_cli",
+    "hooks",
+    "benchmarks",
+    "pyproject.toml",
+    "constraints",
+    ":(exclude)benchmarks/results",
+    ":(exclude)benchmarks/render_docs.py",
+    ":(exclude)benchmarks/sections.py",
+    ":(exclude)benchmarks/gpu_check_summary.py",
+)
 
 
 def script_command(script: str | os.PathLike[str], argv: Sequence[str] | None = None) -> str:
@@ -67,7 +80,7 @@ def git_state(start: str | os.PathLike[str]) -> tuple[str | None, bool | None]:
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
         )
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *_NOT_CODE],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *_MEASURING],
             cwd=root,
             capture_output=True,
             text=True,
