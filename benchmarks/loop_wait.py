@@ -232,6 +232,7 @@ def main() -> int:
         "--after", type=int, default=None, help="steps after it is written (default 50 small, 3 bench)"
     )
     p.add_argument("--max-steps", type=int, default=100000, help="steps a save may take to be written")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     C.add_device_argument(p, "where the models train")
     _record.add_json_argument(p, "loop_wait")
@@ -244,6 +245,8 @@ def main() -> int:
     if rounds < 1 or args.before < 2 or args.after < 0:
         p.error("--rounds must be at least 1, --before at least 2, --after not negative")
     batch = args.batch or _loop.MODELS[args.model]["batch"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rec = _record.start("loop_wait", device)
     import warnings
 
@@ -359,6 +362,7 @@ def main() -> int:
         model_description=desc,
         params=sum(q.numel() for q in smart_net.parameters()),
         batch=batch,
+        threads=torch.get_num_threads(),
         before=args.before,
         after=args.after,
         dcp_staging={n: LABEL[n] for n in WAYS},

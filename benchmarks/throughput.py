@@ -59,6 +59,7 @@ from typing import Any
 import _common as C
 import _loop
 import _record
+import torch
 
 import smartckpt_cli as sc
 
@@ -224,6 +225,7 @@ def main() -> int:
         "--chunk", type=float, default=None, help="seconds of a B chunk (default 2 small, 3 bench)"
     )
     p.add_argument("--a-share", type=float, default=1.0, help="an A chunk lasts this share of a B chunk")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--workdir", default=None, help="where the store goes (default: a temporary directory)")
     C.add_device_argument(p, "where the models train")
     _record.add_json_argument(p, "throughput")
@@ -233,6 +235,8 @@ def main() -> int:
     if args.cycles < 1 or args.a_share <= 0 or chunk <= 0:
         p.error("--cycles must be at least 1, --chunk and --a-share positive")
     batch = args.batch or _loop.MODELS[args.model]["batch"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rec = _record.start("throughput", device)
     plain, plain_opt = _loop.build(args.model, args.params, device)
     net, opt = _loop.build(args.model, args.params, device)
@@ -372,6 +376,7 @@ def main() -> int:
         params=sum(q.numel() for q in net.parameters()),
         batch=batch,
         policy="the defaults (adaptive)",
+        threads=torch.get_num_threads(),
         chunk_s=chunk,
         a_share=args.a_share,
         warm_up={
