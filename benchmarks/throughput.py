@@ -206,6 +206,10 @@ def run_cycle(loop: Loop, n: int, chunk: float, a_share: float, limit: float) ->
                 cyc.due_after is not None
                 and cyc.b_seconds - sum(cyc.b_steps[: cyc.saves[0].index + 1]) >= cyc.due_after
             ):
+                for save in cyc.saves:
+                    if save.handle.error is not None:
+                        raise save.handle.error
+                    save.library_wait = save.handle.loop_wait_seconds
                 return cyc
             if now - chunk_start >= chunk:
                 break
