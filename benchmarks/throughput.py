@@ -2,20 +2,22 @@
 default policy *and the saves it takes*, against no checkpointing, in interleaved blocks; and
 what each save costs the loop, as a step-time difference read from the loop's own clock.
 
-Two copies of the model are built alike (``--model``):
+The model (``--model``):
 
 * ``small``: an MLP of 8 Linear(256) layers with ReLU, batch 64, AdamW: about 3 ms a step on two
   CPU cores (benchmarks/step_cost.py's CPU model);
 * ``bench``: ``smartckpt bench``'s model, an MLP of about ``--params`` (1e8) parameters, batch 8
   on CPU, AdamW: 1.2 GB of state, about 0.7 s a step on two CPU cores.
 
-Copy A trains with no checkpointing. Copy B trains under a ``CheckpointManager`` with the default
-settings: the adaptive policy saves first at ``max_interval`` / 2 (90 s) after the manager starts,
+It trains two ways in turn: A with no checkpointing, B under a ``CheckpointManager`` with the
+default settings: the adaptive policy saves first at ``max_interval`` / 2 (90 s) after the manager starts,
 then every Young/Daly interval of its measured save cost (never closer than ``min_interval``, 10 s;
 sooner when its signals alarm); the loop calls ``mgr.step(step, loss=loss)`` at every step.
 
-**Cycles.** The copies train in turn, in chunks of ``--chunk`` seconds (B) and ``--a-share`` of
-that (A), so that the machine's drift hits both alike. Each cycle is one period of the policy:
+**Cycles.** A and B take turns, in chunks of ``--chunk`` seconds (B) and ``--a-share`` of that
+(A), so that the machine's drift hits both alike. It is one model: in A chunks the manager's hooks
+are switched off and ``mgr.step`` is not called (benchmark-only access to its hook handles), so A
+and B share the model's memory, caches and batches. Each cycle is one period of the policy:
 
 1. the step at which the policy saves (the cycle's first B step);
 2. B alone until that save has committed (none of its background work falls into an A chunk);
@@ -112,28 +114,57 @@ class Cycle:
 
 
 class Loop:
-    """Both copies, and how each trains a chunk (module docstring)."""
+    """One model, trained two ways in turn, chunk by chunk (module docstring): B with smartckpt
+    (the manager's hooks on, ``mgr.step`` at every step), A without (its hooks off, no
+    ``mgr.step``). One model, so that A and B share its memory, caches and batches and no chunk
+    pays for bringing the other copy back into the caches."""
 
-    def __init__(self, mgr: Any, policy: Deferring, a: tuple, b: tuple, device: Any) -> None:
-        self.mgr, self.policy, self.a, self.b, self.device = mgr, policy, a, b, device
+    def __init__(self, mgr: Any, policy: Deferring, net: Any, opt: Any, data: Any, device: Any) -> None:
+        self.mgr, self.policy, self.net, self.opt, self.data, self.device = (
+            mgr,
+            policy,
+            net,
+            opt,
+            data,
+            device,
+        )
         self.step_no = 0
+        self.on = True
+        # Benchmark-only: the manager's optimizer pre-hook and the signals' gradient hook run in B
+        # chunks only. The pre-hook is put back behind a switch (close() removes it as its own);
+        # the gradient hook is registered through an attribute lookup, so the instance attribute
+        # is what the next arming registers (an armed one is registered again).
+        for handle in mgr._hooks:
+            handle.remove()
+        mgr._hooks = [opt.register_step_pre_hook(self._pre_hook)]
+        signals = mgr._signals
+        grad_hook = signals._after_backward
+        signals._after_backward = lambda p: grad_hook(p) if self.on else None
+        armed = signals._armed
+        signals._hook(False)
+        if armed:
+            signals._hook(True)
+
+    def _pre_hook(self, *args: Any) -> None:
+        if self.on:
+            self.mgr._before_optimizer_step(*args)
 
     def a_chunk(self, cyc: Cycle, seconds: float) -> None:
-        net, opt, data = self.a
+        self.on = False
         C.synchronize(self.device)
         t0 = time.perf_counter()
         while True:
-            data.step(net, opt)
+            self.data.step(self.net, self.opt)
             cyc.a_steps += 1
             if time.perf_counter() - t0 >= seconds:
                 break
         C.synchronize(self.device)
         cyc.a_seconds += time.perf_counter() - t0
+        self.on = True
 
     def b_step(self, cyc: Cycle) -> Any:
-        net, opt, data = self.b
         t0 = time.perf_counter()
-        loss = data.step(net, opt)
+        loss = self.data.step(self.net, self.opt)
         self.step_no += 1
         res = self.mgr.step(self.step_no, loss=loss)
         C.synchronize(self.device)  # the loop's clock includes the device's queued work (CUDA)
@@ -226,7 +257,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=None, help="default: 64 (small), 8 (bench)")
     p.add_argument("--cycles", type=int, default=4, help="cycles of the policy after the first")
     p.add_argument(
-        "--chunk", type=float, default=None, help="seconds of a B chunk (default 2 small, 3 bench)"
+        "--chunk", type=float, default=None, help="seconds of a B chunk (default 2 small, 8 bench)"
     )
     p.add_argument("--a-share", type=float, default=1.0, help="an A chunk lasts this share of a B chunk")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -235,14 +266,13 @@ def main() -> int:
     _record.add_json_argument(p, "throughput")
     args = p.parse_args()
     device = C.device_of(args, p)
-    chunk = args.chunk or (2.0 if args.model == "small" else 3.0)
+    chunk = args.chunk or (2.0 if args.model == "small" else 8.0)
     if args.cycles < 1 or args.a_share <= 0 or chunk <= 0:
         p.error("--cycles must be at least 1, --chunk and --a-share positive")
     batch = args.batch or _loop.MODELS[args.model]["batch"]
     if args.threads:
         torch.set_num_threads(args.threads)
     rec = _record.start("throughput", device)
-    plain, plain_opt = _loop.build(args.model, args.params, device)
     net, opt = _loop.build(args.model, args.params, device)
     desc = _loop.describe(args.model, net, batch)
     started = time.monotonic()
@@ -253,13 +283,7 @@ def main() -> int:
         mgr.policy = policy
         mgr.register(model=net, optimizer=opt)
         mgr.restore()
-        loop = Loop(
-            mgr,
-            policy,
-            (plain, plain_opt, _loop.Data(plain, batch)),
-            (net, opt, _loop.Data(net, batch)),
-            device,
-        )
+        loop = Loop(mgr, policy, net, opt, _loop.Data(net, batch), device)
         warm = warm_up(loop, chunk, args.a_share, limit=900.0)
         print(
             f"before the first save: {len(warm.b_steps) / warm.b_seconds:.2f} steps/s with smartckpt (no save), "
