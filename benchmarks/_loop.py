@@ -89,9 +89,11 @@ class SaveWindow:
     done_at: int | None
 
 
-def loop_costs(runs: list[tuple[list[float], list[SaveWindow]]]) -> dict[str, Any]:
+def loop_costs(runs: list[tuple[list[float], list[SaveWindow]]], local: bool = False) -> dict[str, Any]:
     """Per save, its loop wait and background cost (module docstring), over several lists of
-    step times (blocks) of one loop; m is the median over all of them outside the windows."""
+    step times (blocks) of one loop; m is the median over all of them outside the windows, or,
+    with ``local``, the median of the steps before the save in its own block (what the loop did
+    just before: drift in the machine's speed between blocks then does not count)."""
     clean: list[float] = []
     for steps, saves in runs:
         busy: set[int] = set()
@@ -103,15 +105,17 @@ def loop_costs(runs: list[tuple[list[float], list[SaveWindow]]]) -> dict[str, An
     out = []
     for steps, saves in runs:
         for s in saves:
+            m = statistics.median(steps[: s.index]) if local and s.index > 0 else ref
             pair = steps[s.index : s.index + 2]
             end = s.done_at if s.done_at is not None else len(steps) - 1
             after = steps[s.index + 2 : end + 1]
             out.append(
                 {
-                    "loop_wait_s": sum(t - ref for t in pair) if len(pair) == 2 else None,
+                    "loop_wait_s": sum(t - m for t in pair) if len(pair) == 2 else None,
+                    "ref_step_s": m,
                     "save_step_s": pair[0],
                     "next_step_s": pair[1] if len(pair) == 2 else None,
-                    "background_s": sum(t - ref for t in after),
+                    "background_s": sum(t - m for t in after),
                     "background_steps": len(after),
                 }
             )
