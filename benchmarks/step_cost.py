@@ -42,7 +42,7 @@ layers of 256, batch 64 on CPU (about 3 ms a step on 2 cores). ``--device`` defa
 a GPU is present.
 
     python benchmarks/step_cost.py --device cpu
-    python benchmarks/step_cost.py --device cpu --model bench --api --pairs 8 --block-seconds 8 --json benchmarks/results/step_cost-bench.json
+    python benchmarks/step_cost.py --device cpu --model bench --api --pairs 6 --min-block-steps 10 --json benchmarks/results/step_cost-bench.json
     python benchmarks/step_cost.py --device cpu --ranks 2 --json benchmarks/results/step_cost-2ranks.json
     python benchmarks/step_cost.py --device cuda --zero-code --json zc.json
 """
@@ -196,7 +196,7 @@ def _block_steps(
     args: argparse.Namespace, per_step: float, device: torch.device, dist: Any, rank: int
 ) -> int:
     """Steps in a block of about --block-seconds; every rank takes rank 0's number."""
-    n = max(20, int(args.block_seconds / per_step))
+    n = max(args.min_block_steps, int(args.block_seconds / per_step))
     if dist is not None:
         t = torch.tensor([n if rank == 0 else 0], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -414,6 +414,7 @@ def _worker_cmd(args: argparse.Namespace, worker: str, out: str, store: str) -> 
         "--layers", str(args.layers), "--batch", str(args.batch), "--threads", str(args.threads),
         "--model", args.model, "--params", str(args.params),
         "--pairs", str(args.pairs), "--block-seconds", str(args.block_seconds),
+        "--min-block-steps", str(args.min_block_steps),
         "--worker", worker, "--worker-out", out, "--store", store,
     ]  # fmt: skip
     if args.ranks > 1:
@@ -475,6 +476,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--pairs", type=int, default=10, help="A/B pairs of blocks per mode")
     ap.add_argument("--block-seconds", type=float, default=0.5, help="about how long one block lasts")
+    ap.add_argument(
+        "--min-block-steps",
+        type=int,
+        default=20,
+        help="steps a block has at least (the evaluation spacing's multiple)",
+    )
     _record.add_json_argument(ap, "step_cost")
     ap.add_argument("--worker", choices=("api", "zero-code"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
