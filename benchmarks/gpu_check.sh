@@ -62,6 +62,9 @@ if git -C "$REPO" rev-parse HEAD >/dev/null 2>&1; then
 fi
 export BENCH_GIT_COMMIT BENCH_GIT_DIRTY
 PY=${PYTHON:-python3}
+# the steps run in the work directory: a relative interpreter path is made absolute (not resolved:
+# a virtual environment's python is a link that must stay one)
+case $PY in /*) ;; */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
 WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
 mkdir -p "$RESULTS" || exit 2
 RESULTS=$(cd "$RESULTS" && pwd)
