@@ -31,7 +31,7 @@
 # the result files of the steps that ran, and summary.md, written last.
 #
 # Settings (environment): PYTHON (python3), GPU_CHECK_BUDGET (seconds for everything, default
-# 355 on CUDA, 170 for the CPU dry run), GPU_CHECK_WORKDIR (where checkpoints are written: a fresh folder under it; default
+# 480 on CUDA, 330 for the CPU dry run), GPU_CHECK_WORKDIR (where checkpoints are written: a fresh folder under it; default
 # $TMPDIR or /tmp), GPU_CHECK_WHEELS, GPU_CHECK_PARAMS (bench model size; default 4e8, ~4.8 GB of
 # state, less when the work disk is short), GPU_CHECK_MODEL_PARAMS (loop_wait and throughput: the
 # bench model's size, default 1e8 as on the CPU), GPU_CHECK_BATCH (their batch, default 4096 on
@@ -114,10 +114,10 @@ if [ "$DEVICE" = cuda ]; then
     STEP_ARGS=()
     LOOP_ARGS=(--model bench --params "$MODEL_PARAMS" --batch "$BATCH" --rounds 3)
     TP_ARGS=(--model bench --params "$MODEL_PARAMS" --batch "$BATCH" --cycles 1 --a-share 0.5)
-    T_INSTALL=90 T_TESTS=120 T_STEP_COST=120 T_LOOP_WAIT=150 T_BENCH=300 T_THROUGHPUT=540
+    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=150 T_BENCH=300 T_THROUGHPUT=540
     R_TESTS=45 R_STEP_COST=60 R_LOOP_WAIT=90 R_BENCH=180 R_THROUGHPUT=480
 else # the dry run: tiny sizes, the same steps
-    BUDGET=${GPU_CHECK_BUDGET:-240}
+    BUDGET=${GPU_CHECK_BUDGET:-330}
     PARAMS=${GPU_CHECK_PARAMS:-3e6}
     BENCH_ARGS=(--reps 1 --rounds 1 --every 0.5)
     TEST_SELECT=()
@@ -125,8 +125,8 @@ else # the dry run: tiny sizes, the same steps
     STEP_ARGS=(--pairs 3 --block-seconds 0.3)
     LOOP_ARGS=(--model small --threads 1 --rounds 1 --before 5 --after 5)
     TP_ARGS=(--model small --threads 1 --cycles 1 --chunk 1)
-    T_INSTALL=90 T_TESTS=120 T_STEP_COST=60 T_LOOP_WAIT=60 T_BENCH=90 T_THROUGHPUT=400
-    R_TESTS=40 R_STEP_COST=30 R_LOOP_WAIT=20 R_BENCH=30 R_THROUGHPUT=250
+    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=60 T_BENCH=90 T_THROUGHPUT=400
+    R_TESTS=40 R_STEP_COST=60 R_LOOP_WAIT=20 R_BENCH=30 R_THROUGHPUT=250
 fi
 wanted() { case " $WANT " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # reserve_after NAME: the time kept for the wanted steps after NAME
