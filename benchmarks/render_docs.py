@@ -189,7 +189,8 @@ class Section:
             d = self.results.get(name)
             m, dev = d["machine"], d["device"]
             gb = m["memory_bytes"] / 1e9
-            where = f"{dev['type']}: {dev['name']}" if dev["type"] != "cpu" else dev["name"]
+            device = dev["name"] if dev["name"] != dev["type"] else m.get("cpu_model", dev["name"])
+            where = f"{dev['type']}: {device}" if dev["type"] != "cpu" else device
             out.append(
                 f"`{d['command']}` — commit {d['commit'][:10]}, {d['date'][:10]}, {where}, "
                 f"{m['cpus']} CPUs, {gb:.0f} GB, torch {d['torch'] or '-'} "
@@ -200,6 +201,8 @@ class Section:
 
 def _number(v: float) -> str:
     a = abs(v)
+    if float(v).is_integer() and a < 1e15:
+        return f"{int(v):,}" if a >= 10_000 else str(int(v))
     if a >= 100:
         return f"{v:,.0f}"
     if a >= 10:

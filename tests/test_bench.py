@@ -217,3 +217,79 @@ def test_gpu_check_runs_every_file_with_cuda_tests():
     assert marked, "no CUDA tests found"
     for name in marked:
         assert f"tests/{name}" in script, f"{name} has CUDA tests that gpu_check.sh does not run"
+
+
+def test_gpu_check_refuses_a_step_it_does_not_have_in_one_line(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
+        env={"PATH": "/usr/bin:/bin", "GPU_CHECK_STEPS": "tests warp_drive"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "gpu_check: GPU_CHECK_STEPS: no step 'warp_drive' (steps: tests step_cost loop_wait bench throughput)"
+    ]
+
+
+def test_gpu_check_summary_reads_every_result_file_the_check_writes(tmp_path: Path) -> None:
+    """The summary of a GPU check, from the result files its steps write (the format of
+    benchmarks/results/): each step's figures are in it, a missing file is said as such."""
+    from smartckpt_cli.ops.bench_record import Record
+    from smartckpt_cli.ops.bench_result import BenchResult
+
+    dev = {"type": "cuda", "name": "a GPU"}
+    step = Record("step_cost", "python benchmarks/step_cost.py --device cuda", device=dev, torch="t")
+    mode = {
+        "pairs": 10, "step_ms_without": 1.8, "step_ms_with": 1.85, "steps_per_s_without": 555.0,
+        "steps_per_s_with": 540.0, "overhead_median": 0.027, "overhead_iqr": [0.01, 0.04], "inside_us_per_step": 21.5,
+    }  # fmt: skip
+    step.add("api.overhead_pct", 2.7, "%", "api")
+    step.details = {
+        "ranks": 1,
+        "model": {"layers": 8, "width": 1024, "batch": 256, "optimizer": "AdamW"},
+        "api": mode,
+    }
+    step.write(tmp_path / "step_cost-gpu.json")
+    loop = Record("loop_wait", "python benchmarks/loop_wait.py --model bench", device=dev, torch="t")
+    for way, wait in (
+        ("smartckpt_lazy", 3.0),
+        ("dcp_async_staged", 9.0),
+        ("smartckpt_eager", 40.0),
+        ("dcp_in_call", 45.0),
+    ):
+        loop.add(f"{way}.wait_ms", wait, "ms", way)
+        loop.add(f"{way}.background_ms", 1.0, "ms", way)
+        loop.add(f"{way}.written_s", 2.5, "s", way)
+    loop.details = {"model_description": "MLP of 100.7M parameters, batch 4096, AdamW"}
+    loop.write(tmp_path / "loop_wait-gpu.json")
+    bench = BenchResult(params=400_000_000, state_bytes=4_800_000_000, reps=1, device="cuda")
+    bench.info = {"device_name": "a GPU", "torch": "t", "batch": 4096, "dcp_async_staging": "DefaultStager"}
+    bench.add("smartckpt.first_lazy_loop_wait", 0.012)
+    bench.add("torch.save+fsync", 9.5)
+    bench.done = ["first-save"]
+    bench.record("smartckpt bench --device cuda").write(tmp_path / "bench-gpu.json")
+    (tmp_path / "steps.txt").write_text(
+        "tests|0|60|120\nstep_cost|0|80|120\nloop_wait|0|100|150\nbench|124|300|300\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_check_summary.py"), "--results", str(tmp_path),
+         "--steps", str(tmp_path / "steps.txt"), "--device", "cuda", "--seconds", "460", "--budget", "480"],
+        check=True, timeout=60,
+    )  # fmt: skip
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| bench | 124 | 300 | 300 |" in summary
+    assert "no pytest.xml" in summary  # said, not guessed
+    assert (
+        "| API | MLP 8x1024, batch 256, AdamW | 1 | 10 | 1.800 | 1.850 | 0.973x | +2.70 % (+1.00 .. +4.00) | 21.5 |"
+        in summary
+    )
+    assert "- zero-code: no figures in step_cost-gpu.json" in summary
+    assert "| smartckpt_lazy | 3.0 ms | 1.0 ms | 2.500 s |" in summary
+    assert "| dcp_in_call | 45.0 ms | 1.0 ms | 2.500 s |" in summary
+    assert "**First save**: the loop waited 12.0 ms" in summary and "(cut short)" in summary
+    assert "no throughput-gpu.json" in summary
