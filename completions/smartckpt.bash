@@ -126,8 +126,9 @@ _smartckpt() {
                 --hang-timeout) COMPREPLY=(); return ;;
                 --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --remote) COMPREPLY=(); return ;;
+                --remote-start-wait) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --resume-finished -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

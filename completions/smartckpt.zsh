@@ -175,6 +175,9 @@ _smartckpt_run() {
     '--requeue[Requeue the SLURM job after USR1/USR2.]' '--no-requeue[Requeue the SLURM job after USR1/USR2.]' \
     '--config[YAML settings file (default ./smartckpt.yaml).]:config:_files' \
     '--remote[Replicate committed checkpoints here (s3 -//bucket/prefix, file -///path) and...]:remote: ' \
+    '--remote-start-wait[Seconds to wait for an unreachable remote when nothing is local to resume...]:remote-start-wait: ' \
+    '--remote-start-fresh[With nothing local and the remote unreachable - start a new store at step 0 at...]' '--no-remote-start-fresh[With nothing local and the remote unreachable - start a new store at step 0 at...]' \
+    '--resume-finished[Start the command even when its last run in --dir finished (it trains on from...]' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     '*:command:_files'
 }

@@ -17,6 +17,17 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
                          so the supervisor can tell a SyntaxError from an NCCL timeout.
 ``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
                          supervisor sends :data:`STACK_SIGNAL` to a hung process.
+``report.<pid>.json``    what the training process itself says it did (rewritten whole as it
+                         learns more): where it began (``start_step``, ``restored_from``:
+                         ``disk``/``remote``/null, the ``checkpoint`` id and its ``lineage``),
+                         whether the script called ``start_step()`` (``start_step_called``,
+                         ``start_step_early``: before any optimizer existed), the resume check's
+                         verdict (``resume_check``) and ``no_optimizer`` (backward passes, but no
+                         ``torch.optim`` optimizer ever stepped); what went wrong since:
+                         ``save_failures`` (count, last error, step), ``io_error`` (what cannot be
+                         written and why; null once it works again), ``checkpointing_off`` (why
+                         zero-code checkpointing turned itself off, and at which step). Every
+                         key is optional.
 """
 
 from __future__ import annotations
@@ -42,20 +53,33 @@ ENV_LOADED = "SMARTCKPT_HOOKS_LOADED"
 STACK_SIGNAL_NAME = "SIGQUIT"  # registered with faulthandler by the hooks; only sent when live
 
 # Heartbeat states.
-STARTING, TRAINING, SAVING, RESTORING, DONE = 0, 1, 2, 3, 4
+STARTING, TRAINING, SAVING, RESTORING, DONE, WAITING = 0, 1, 2, 3, 4, 5
 STATE_NAMES = {
     STARTING: "starting",
     TRAINING: "training",
     SAVING: "saving",
     RESTORING: "restoring",
     DONE: "done",
+    WAITING: "waiting for the remote",  # nothing local to resume, the remote unreachable (yet)
+}
+
+# Trouble flags, carried by every beat (a bit set while the trouble lasts): the heartbeat is a
+# mapping written in place, so it reaches the supervisor even when the disk is full and no file
+# can be written. The details (why, how often) follow in ``report.<pid>.json`` when it can be.
+SAVE_FAILING = 1  # the newest background save failed (cleared by the next commit)
+IO_FAILING = 2  # a write on the loop's path (the trigger trace) fails (cleared when one works)
+CHECKPOINTING_OFF = 4  # zero-code checkpointing turned itself off: training goes on unsaved
+TROUBLE_NAMES = {
+    SAVE_FAILING: "saves failing",
+    IO_FAILING: "writes failing",
+    CHECKPOINTING_OFF: "checkpointing OFF",
 }
 
 # wall time (time.time), monotonic-free on purpose: the supervisor compares it with its own
 # time.time(); step; loss (nan when unknown); state; last committed step (-1: none); rank (-1:
 # not distributed); a sequence number bumped at every write, so a torn read (a write racing the
-# read) is detected by reading twice.
-HEARTBEAT = struct.Struct("<dqdiqiq")
+# read) is detected by reading twice; the trouble flags above.
+HEARTBEAT = struct.Struct("<dqdiqiqi")
 HEARTBEAT_SIZE = 64
 assert HEARTBEAT.size <= HEARTBEAT_SIZE
 
@@ -70,6 +94,7 @@ class Beat:
     committed_step: int
     rank: int
     seq: int
+    trouble: int = 0
 
     @property
     def state_name(self) -> str:
@@ -90,6 +115,10 @@ def error_path(run_dir: str, pid: int) -> str:
 
 def stacks_path(run_dir: str, pid: int) -> str:
     return os.path.join(run_dir, f"stacks.{pid}.txt")
+
+
+def report_path(run_dir: str, pid: int) -> str:
+    return os.path.join(run_dir, f"report.{pid}.json")
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -120,6 +149,7 @@ class HeartbeatWriter:
         self.loss = float("nan")
         self.state = STARTING
         self.committed = -1
+        self.trouble = 0
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self._map: mmap.mmap | None = None
         try:
@@ -135,7 +165,9 @@ class HeartbeatWriter:
         loss: float | None = None,
         state: int | None = None,
         committed_step: int | None = None,
+        trouble: tuple[int, bool] | None = None,
     ) -> None:
+        """``trouble``: (flag, on) sets or clears one trouble flag."""
         if step is not None:
             self.step = step
         if loss is not None:
@@ -144,8 +176,20 @@ class HeartbeatWriter:
             self.state = state
         if committed_step is not None:
             self.committed = committed_step
+        if trouble is not None:
+            flag, on = trouble
+            self.trouble = self.trouble | flag if on else self.trouble & ~flag
         self.seq += 1
-        fields = (time.time(), self.step, self.loss, self.state, self.committed, self.rank, self.seq)
+        fields = (
+            time.time(),
+            self.step,
+            self.loss,
+            self.state,
+            self.committed,
+            self.rank,
+            self.seq,
+            self.trouble,
+        )
         if self._map is not None:
             HEARTBEAT.pack_into(self._map, 0, *fields)
             return
@@ -175,6 +219,6 @@ def read_heartbeat(path: str, pid: int) -> Beat | None:
         except OSError:
             return None
         if len(a) >= HEARTBEAT.size and a == b:
-            t, step, loss, state, committed, rank, seq = HEARTBEAT.unpack_from(a)
-            return Beat(pid, t, step, loss, state, committed, rank, seq)
+            t, step, loss, state, committed, rank, seq, trouble = HEARTBEAT.unpack_from(a)
+            return Beat(pid, t, step, loss, state, committed, rank, seq, trouble)
     return None

@@ -95,6 +95,7 @@ def _activate(run_dir: str) -> None:
     import time
 
     import _smartckpt_protocol as proto
+    from _smartckpt_redact import redact_argv  # a --hf-token=... never lands on disk
 
     pid = os.getpid()
     proto.write_json(
@@ -102,8 +103,8 @@ def _activate(run_dir: str) -> None:
         {
             "pid": pid,
             "ppid": os.getppid(),
-            "argv": list(sys.argv),
-            "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),
+            "argv": redact_argv(list(sys.argv)),
+            "orig_argv": redact_argv(list(getattr(sys, "orig_argv", sys.argv))),
             "python": sys.executable,
             "python_version": sys.version.split()[0],
             "hooks": _here,

@@ -25,6 +25,7 @@ from smartckpt_cli.errors import (
 from smartckpt_cli.version import __version__
 
 if TYPE_CHECKING:
+    from smartckpt_cli.agent.carry import carry
     from smartckpt_cli.agent.runtime import start_step
     from smartckpt_cli.engine.manager import CheckpointManager, SaveHandle, StepResult
     from smartckpt_cli.trigger.scores import seed_score
@@ -34,6 +35,7 @@ _LAZY = {
     "CheckpointManager": "smartckpt_cli.engine.manager",
     "SaveHandle": "smartckpt_cli.engine.manager",
     "StepResult": "smartckpt_cli.engine.manager",
+    "carry": "smartckpt_cli.agent.carry",
     "start_step": "smartckpt_cli.agent.runtime",
     "seed_score": "smartckpt_cli.trigger.scores",
 }
@@ -67,6 +69,7 @@ __all__ = [
     "StoreLockedError",
     "StoreNotFoundError",
     "__version__",
+    "carry",
     "load_settings",
     "seed_score",
     "start_step",

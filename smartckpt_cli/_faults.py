@@ -12,8 +12,10 @@ Two more variables for multi-rank tests: ``SMARTCKPT_FAULT_RANK=<r>`` arms the f
 (``RANK``) only, and ``SMARTCKPT_FAULT_MODE=raise`` makes :func:`fault_fail` points raise an
 ``OSError`` (a failed write: full disk, I/O error) instead of killing the process. A rank's part
 of a multi-rank save passes ``rank.write`` before writing anything; a rank's remote uploader
-passes ``remote.part`` after its part's blobs and manifest, before its marker. ``<point>@*``
-fires at every pass (with ``raise``: a rank whose uploads always fail).
+passes ``remote.part`` after its part's blobs and manifest, before its marker, and ``rank.restore``
+before loading its part of each checkpoint a multi-rank restore tries (``SMARTCKPT_FAULT_MODE=memory``:
+a MemoryError there). ``<point>@*`` fires at every pass (with ``raise``: a rank whose uploads always
+fail).
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ def fault_point(name: str) -> None:
 
 def fault_fail(name: str) -> None:
     """Like :func:`fault_point`, but with ``SMARTCKPT_FAULT_MODE=raise`` the pass raises an I/O
-    error instead of killing the process."""
+    error instead of killing the process, and with ``memory`` a MemoryError (an allocation that
+    failed: what an elastic read of a large checkpoint can meet)."""
     if fault_active(name):
-        if os.environ.get("SMARTCKPT_FAULT_MODE") == "raise":
+        mode = os.environ.get("SMARTCKPT_FAULT_MODE")
+        if mode == "raise":
             import errno
 
             raise OSError(errno.EIO, f"injected write failure at {name}")
+        if mode == "memory":
+            raise MemoryError(f"injected allocation failure at {name}")
         crash()

@@ -54,6 +54,7 @@ class Settings:
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
     distributed: str = "auto"  # auto: coordinate ranks when torch.distributed runs | off
+    rank_timeout: float = 900.0  # seconds a rank waits for the others in smartckpt's collectives
     tiers: tuple[TierRule, ...] = field(default_factory=tuple)
     # smartckpt run (the supervisor)
     max_restarts: int = 5  # restarts after failures before giving up
@@ -72,6 +73,10 @@ class Settings:
     remote_part_mb: int = 64  # multipart part size for large blobs (S3's minimum is 5)
     remote_retries: int = 4  # tries of each remote call before the round is retried later
     remote_close_wait: float = 120.0  # seconds close()/preemption wait for uploads
+    # nothing to resume locally and the remote unreachable at start: wait this long for it, then
+    # refuse to start (never a silent start over at step 0)...
+    remote_start_wait: float = 300.0
+    remote_start_fresh: bool = False  # ...unless asked to start a new store at step 0 at once
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -84,6 +89,8 @@ class Settings:
             raise ConfigError(f"inflight must be 'wait' or 'skip', not {self.inflight!r}")
         if self.distributed not in ("auto", "off"):
             raise ConfigError(f"distributed must be 'auto' or 'off', not {self.distributed!r}")
+        if self.rank_timeout <= 0:
+            raise ConfigError("rank_timeout must be positive (seconds)")
         if not -1 <= self.compression_level <= 22:
             raise ConfigError("compression_level must be between -1 (raw) and 22")
         if self.chunk_mb < 1:
@@ -127,8 +134,10 @@ class Settings:
             )
         if self.remote_part_mb < 5:
             raise ConfigError("remote_part_mb must be at least 5 (S3's smallest multipart part)")
-        if self.remote_bandwidth_mb < 0 or self.remote_close_wait < 0:
-            raise ConfigError("remote_bandwidth_mb and remote_close_wait must be 0 or more")
+        if self.remote_bandwidth_mb < 0 or self.remote_close_wait < 0 or self.remote_start_wait < 0:
+            raise ConfigError(
+                "remote_bandwidth_mb, remote_close_wait and remote_start_wait must be 0 or more"
+            )
         for pat in self.no_restart_patterns:
             try:
                 re.compile(pat)

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 __all__ = [
     "EXIT_ERROR",
+    "EXIT_REMOTE_UNREACHABLE",
     "EXIT_USAGE",
     "CheckpointCorrupt",
     "ConfigError",
     "JournalError",
     "NoCheckpointError",
     "NotAStoreError",
+    "NothingCheckpointedError",
+    "RemoteStartRefused",
     "SmartckptError",
     "StateMismatchError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "UnsafePathError",
     "UnsupportedValueError",
     "UsageError",
 ]
@@ -62,12 +66,33 @@ class NoCheckpointError(SmartckptError):
     """No committed checkpoint could be restored."""
 
 
+class NothingCheckpointedError(SmartckptError):
+    """A directory that ``smartckpt run`` used (it holds run records) but where no checkpoint was
+    ever committed: ``inspect``, ``verify`` and ``plot`` have nothing to read (exit 1)."""
+
+
 class CheckpointCorrupt(SmartckptError):
     """A checkpoint failed verification (missing blob, hash mismatch, undecodable chunk...)."""
 
     def __init__(self, message: str, *, tier: str | None = None) -> None:
         super().__init__(message)
         self.tier = tier
+
+
+class RemoteStartRefused(SmartckptError):
+    """Nothing to resume locally and the remote tier unreachable for ``remote_start_wait``: the run
+    does not start over at step 0 (its checkpoints may be on the remote). ``smartckpt run`` stops
+    with :data:`EXIT_REMOTE_UNREACHABLE`."""
+
+
+EXIT_REMOTE_UNREACHABLE = 5
+
+
+class UnsafePathError(SmartckptError, OSError):
+    """A path a backend refuses because it would leave its root: a name that is absolute, holds
+    ``..`` or characters no smartckpt name has, or a symlink inside the store pointing outside.
+    An ``OSError`` too, so every reader that already treats an unreadable file as damage (skip the
+    checkpoint, fall back to the previous one) treats this one the same way."""
 
 
 class StateMismatchError(SmartckptError):

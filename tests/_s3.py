@@ -86,3 +86,65 @@ def all_objects(port: int, bucket: str) -> dict[str, bytes]:
         for obj in page.get("Contents", []):
             out[obj["Key"]] = c.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
     return out
+
+
+class Gate:
+    """A TCP forwarder in front of the S3 server that can refuse connections (nothing listens on
+    its port while it is shut) and open again: an S3 endpoint that is down, then comes back."""
+
+    def __init__(self, target_port: int) -> None:
+        import threading
+
+        self.target = target_port
+        self.port = free_port()
+        self._server: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def open(self) -> Gate:
+        import threading
+
+        with self._lock:
+            if self._server is not None:
+                return self
+            srv = socket.socket()
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind(("127.0.0.1", self.port))
+            srv.listen(64)
+            self._server = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+        return self
+
+    def shut(self) -> None:
+        with self._lock:
+            srv, self._server = self._server, None
+        if srv is not None:
+            with contextlib.suppress(OSError):
+                srv.shutdown(socket.SHUT_RDWR)
+            srv.close()
+
+    def _accept(self, srv: socket.socket) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return  # shut
+            try:
+                up = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                conn.close()
+                continue
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)

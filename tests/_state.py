@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,3 +25,22 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
         if key in b:
             assert a[key] == b[key], f"{key} state differs"
     assert torch.equal(a["rng"], b["rng"]), "torch RNG state differs at the end"
+
+
+def resume_checks(store: Path) -> list[dict[str, Any]]:
+    """The ``resume_check`` events of a store's journal (engine/resumecheck.py), in order."""
+    lines = (Path(store) / "journal.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == "resume_check"]
+
+
+def expectation(store: Path, step: int) -> dict[str, Any] | None:
+    """What the run that saved step ``step`` (the newest commit of it) recorded of the step after
+    it, for the resume check: in the checkpoint's manifest, or in the journal; None when the
+    run died before it could."""
+    events = [json.loads(ln) for ln in (Path(store) / "journal.jsonl").read_text().splitlines()]
+    commit = [e for e in events if e.get("event") == "commit" and e.get("step") == step][-1]
+    meta = json.loads((Path(store) / commit["manifest"]).read_text()).get("meta", {})
+    if meta.get("next_step"):
+        return meta["next_step"]
+    after = [e for e in events if e.get("event") == "step_after" and e.get("id") == commit["id"]]
+    return after[-1] if after else None

@@ -8,6 +8,7 @@ sizes and mtimes) before and after and requires every file to survive unchanged.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -417,6 +418,13 @@ def test_truncated_blob(
         before.pop("journal.jsonl")
         (store / "journal.jsonl").write_bytes(journal)
         before["journal.jsonl"] = _tree(store)["journal.jsonl"]
+        # ... and when each sound blob was last re-hashed (store/scrub.py), for inspect
+        book = json.loads((store / "scrub.json").read_text())
+        assert bid not in book["checked"] and len(book["checked"]) > 0
+        if "scrub.json" in before:
+            before["scrub.json"] = _tree(store)["scrub.json"]
+        else:
+            (store / "scrub.json").unlink()
     assert code == want_code, out + err
     assert "Traceback" not in out + err
     if pattern is not None:

@@ -228,3 +228,38 @@ def test_both_ranks_know_the_next_decision_step(two_ranks: list[dict]) -> None:
     assert r0["quiet"][:4] == r1["quiet"][:4] == [False, "", None, True]
     assert r0["next"] == r1["next"]
     assert 7 <= r0["next"] <= 9  # no later than rank 0's policy needs it
+
+
+# ---------------------------------------------------------------------- rank 0's answers (pure)
+
+
+def test_rank0_plans_each_rank_its_own_refs_and_who_collects_garbage() -> None:
+    from smartckpt_cli.engine.distributed import entry_hash
+    from smartckpt_cli.engine.multirank import _plans
+
+    w, r0, r1, r2 = (entry_hash(k, d) for k, d in (("w", "a"), ("rng", "0"), ("rng", "1"), ("rng", "2")))
+    heard = [
+        {"hashes": [w, r0], "dir": "n0"},
+        {"hashes": [r1, w], "dir": "n0"},
+        {"hashes": [w, r2], "dir": "n1"},
+    ]
+    plans = _plans(heard)
+    assert len({p["cid"] for p in plans}) == 1 and len(plans[0]["cid"]) == 12  # one checkpoint id
+    # rank 1 shares rank 0's disk: its copy of w (its entry 1) is rank 0's; rank 2 has its own disk
+    assert [p["refs"] for p in plans] == [[], [(1, 0)], []]
+    assert [p["gc"] for p in plans] == [True, False, True]  # the lowest rank of each disk
+    # a rank that could not stage its state: every rank is told, nobody writes
+    lost = _plans([heard[0], {"hashes": None, "dir": "n0"}, heard[2]])
+    assert lost == [{"lost": [1]}] * 3
+
+
+def test_rank0_reads_every_ranks_restore_verdict_once_for_all() -> None:
+    from smartckpt_cli.engine.multirank import _restore_outcome
+
+    assert _restore_outcome([None, None, None]) == {"failed": None, "refused": None, "bad": None}
+    bad = _restore_outcome([None, ["corrupt", "blob x"], None, ["corrupt", "gone"]])
+    assert bad == {"failed": None, "refused": None, "bad": "rank 1: blob x; rank 3: gone"}
+    refused = _restore_outcome([["corrupt", "x"], ["refused", "shape"], ["refused", "other"]])
+    assert refused["refused"] == [1, "shape"]
+    failed = _restore_outcome([None, ["corrupt", "x"], ["error", "MemoryError: out"]])
+    assert failed["failed"] == "rank 2: MemoryError: out"  # every rank stops with rank 2's error

@@ -258,24 +258,32 @@ def test_a_signal_to_one_rank_makes_every_rank_save_at_the_same_step(tmp_path, c
 def test_ownership_and_naming_rules():
     from smartckpt_cli.engine.distributed import (
         dir_leaders,
-        entry_owner,
+        entry_hash,
         needs_reshard,
         part_rel,
-        record_manifests,
+        plan_refs,
     )
+    from smartckpt_cli.store.journal import fold
 
-    digests = [{"w": "a", "rng": "r0"}, {"w": "a", "rng": "r1"}, {"w": "a", "rng": "r0"}]
+    w, rng0, rng1 = entry_hash("w", "a"), entry_hash("rng", "r0"), entry_hash("rng", "r1")
+    hashes = [[w, rng0], [w, rng1], [rng0, w]]  # the entries' order may differ from rank to rank
     # one shared disk: the replicated weight is rank 0's; rank 1's own RNG is its own
-    assert [entry_owner(r, "w", digests, ["d"] * 3) for r in range(3)] == [0, 0, 0]
-    assert [entry_owner(r, "rng", digests, ["d"] * 3) for r in range(3)] == [0, 1, 0]
+    assert plan_refs(hashes, ["d"] * 3) == [{}, {0: 0}, {0: 0, 1: 0}]
     # node-local disks: nothing is shared across disks
-    assert [entry_owner(r, "w", digests, ["n0", "n1", "n1"]) for r in range(3)] == [0, 1, 1]
+    assert plan_refs(hashes, ["n0", "n1", "n1"]) == [{}, {}, {1: 1}]
+    # the same bytes under another key are another entry
+    assert entry_hash("w", "a") != entry_hash("v", "a") and len(entry_hash("w", "a")) == 32
     assert dir_leaders(["n0", "n1", "n1", "n0"]) == {0, 1}
-    assert part_rel(10, "abc", 1) == "manifests/000000000010-abc-r1.json"
-    ev = {"parts": [["m0", "h0", "d"], ["m1", "h1", "d"]]}
-    assert record_manifests(ev, "m0") == ["m0", "m1"] and record_manifests({}, "m") == ["m"]
-    assert not needs_reshard({"world_size": 2}, 2) and needs_reshard({"world_size": 2}, 4)
-    assert needs_reshard({}, 2) and not needs_reshard({}, 1)  # a single-process checkpoint
+    assert part_rel(10, "0123456789ab", 1) == "manifests/000000000010-0123456789ab-r1.json"
+    cid, h = "0123456789ab", "0" * 32
+    parts = [[part_rel(10, cid, r), h, "d"] for r in range(2)]
+    two = {"event": "commit", "step": 10, "id": cid, "manifest": parts[0][0], "manifest_hash": h}
+    one = {"event": "commit", "step": 9, "id": "ba9876543210", "manifest_hash": h}
+    one["manifest"] = "manifests/000000000009-ba9876543210.json"
+    _, (rec2, rec1), _ = fold([{**two, "world_size": 2, "parts": parts}, one])
+    assert rec2.manifests() == [parts[0][0], parts[1][0]] and rec1.manifests() == [one["manifest"]]
+    assert not needs_reshard(rec2, 2) and needs_reshard(rec2, 4)
+    assert needs_reshard(rec1, 2) and not needs_reshard(rec1, 1)  # a single-process checkpoint
 
 
 def test_distributed_setting_is_checked():

@@ -334,6 +334,8 @@ def test_zero_code_sigkill_and_resume_is_bit_exact(tmp_path, tmp_path_factory, p
     journal = [json.loads(ln) for ln in (tmp_path / "store" / "journal.jsonl").read_text().splitlines()]
     commits = [r for r in journal if r["event"] == "commit"]
     assert commits[-1]["step"] == TOTAL and commits[-1]["reason"] == "final"
+    checks = [r for r in journal if r["event"] == "resume_check"]
+    assert [(c["step"], c["verdict"]) for c in checks] == [(start + 1, "exact")], checks
 
     # Started again after it finished: resumes at the end and trains no further step.
     res = _run(args, env, tmp_path)
@@ -368,7 +370,49 @@ def test_zero_code_precursor_save_holds_the_step_before_the_update(
     assert f"start {JOLT_AT}\n" in res.stdout
     trace = _trace(res.stdout)
     assert min(trace) == JOLT_AT + 1 and all(trace[n] == ref_trace[n] for n in trace)
+    journal = [json.loads(ln) for ln in (tmp_path / "store" / "journal.jsonl").read_text().splitlines()]
+    assert [(c["step"], c["verdict"]) for c in journal if c["event"] == "resume_check"] == [
+        (JOLT_AT + 1, "exact")
+    ]
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+
+
+GAS = """
+import torch, smartckpt_cli
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+start = smartckpt_cli.start_step()
+for step in range(start, 6):
+    total = 0.0
+    for micro in range(4):                     # gradient accumulation: loss / 4, four times
+        loss = model(torch.randn(8, 4)).pow(2).mean() / 4
+        loss.backward()
+        total += loss.item()
+    opt.step(); opt.zero_grad()
+    print(f"step {step + 1} {total!r}", flush=True)
+"""
+
+
+def test_zero_code_loss_under_gradient_accumulation_is_the_steps_loss(tmp_path, python, child_env):
+    """What the trigger, the trace and the status line read is the step's loss: the sum of the
+    losses backward() ran on in the step, not the last micro-step's share."""
+    script = tmp_path / "gas.py"
+    script.write_text(GAS)
+    env = _zero_code_env(child_env, tmp_path)
+    env.update(SMARTCKPT_EVAL_EVERY="1", SMARTCKPT_EVERY_STEPS="100")
+    res = _run([python, str(script)], env, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    total = {
+        int(ln.split()[1]): float(ln.split()[2]) for ln in res.stdout.splitlines() if ln.startswith("step ")
+    }
+    (trace,) = (tmp_path / "store" / "traces").glob("*.csv")
+    lines = trace.read_text().splitlines()
+    head = lines[0].split(",")
+    rows = [dict(zip(head, ln.split(","), strict=True)) for ln in lines[1:]]
+    assert len(rows) >= 3
+    for row in rows:
+        assert float(row["raw_loss"]) == pytest.approx(total[int(row["step"])], rel=1e-5), row
 
 
 def test_start_step_outside_smartckpt_run_is_zero(tmp_path, python, child_env):
@@ -443,6 +487,12 @@ def test_zero_code_sigterm_saves_and_resumes_bit_exact(tmp_path, python, child_e
     assert f"start {last}" in res.stdout
     trace = _trace(res.stdout)
     assert all(trace[n] == ref_trace[n] for n in trace)
+    journal = [json.loads(ln) for ln in (tmp_path / "store" / "journal.jsonl").read_text().splitlines()]
+    # zero-code saved the preemption checkpoint in the pre-hook of the next step: it holds that
+    # step's values, so even this resume is checked
+    assert [(c["step"], c["verdict"]) for c in journal if c["event"] == "resume_check"] == [
+        (last + 1, "exact")
+    ]
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,34 @@ def test_hf_trainer_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env
     # save_strategy="steps", save_steps=5 in the script: the Trainer's own saves were suppressed.
     assert not list((tmp_path / "out").glob("checkpoint-*")), list((tmp_path / "out").iterdir())
     assert list((tmp_path / "ck" / "manifests").glob("*.json"))
+
+
+def test_hf_trainer_loss_under_gradient_accumulation_is_the_steps_loss(tmp_path, child_env):
+    """The loss smartckpt reads (trace, heartbeat, status line) is the step's loss as the Trainer
+    logs it (the sum of what its micro-steps return), not the last micro-step's share."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    env = dict(child_env, SMARTCKPT_EVAL_EVERY="1")
+    out, record = _supervised(HF_SCRIPT, tmp_path, env, 100, "--max-steps", "6", "--grad-accum", "2")
+    assert record["outcome"] == "finished" and "no heartbeat" not in out
+    logged: dict[int, float] = {}  # the Trainer's own log line ends each step's micro-step lines
+    step = 0
+    for line in out.splitlines():
+        if line.startswith("loss "):
+            step = int(line.split()[1])
+        elif (m := re.match(r"\{'loss': '?([-+.\deE]+)", line)) and step:
+            logged[step] = float(m.group(1))
+    assert sorted(logged) == list(range(1, 7)), out
+    rows = {}
+    for path in (tmp_path / "ck" / "traces").glob("*.csv"):
+        lines = path.read_text().splitlines()
+        head = lines[0].split(",")
+        for ln in lines[1:]:
+            cells = dict(zip(head, ln.split(","), strict=True))
+            rows[int(cells["step"])] = float(cells["raw_loss"])
+    assert len(rows) >= 3, out
+    for n, raw in rows.items():
+        assert raw == pytest.approx(logged[n], rel=1e-3), (n, raw, logged[n])
 
 
 def test_lightning_sigkilled_under_run_resumes_to_max_steps(tmp_path, child_env):

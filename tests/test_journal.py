@@ -5,6 +5,7 @@ import pytest
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.store.journal import Journal, decode_line, encode_line, fold
 from smartckpt_cli.store.storage import LocalStorage
+from tests._names import cid, commit
 
 
 def _journal(tmp_path) -> Journal:
@@ -13,16 +14,8 @@ def _journal(tmp_path) -> Journal:
     return j
 
 
-def _commit(j: Journal, step: int, cid: str | None = None) -> None:
-    j.append(
-        {
-            "event": "commit",
-            "step": step,
-            "id": cid or f"c{step}",
-            "manifest": f"m{step}",
-            "manifest_hash": "h",
-        }
-    )
+def _commit(j: Journal, step: int, ident: str | None = None) -> None:
+    j.append(commit(step, ident))
 
 
 def test_line_checksum_detects_any_change():
@@ -35,7 +28,7 @@ def test_line_checksum_detects_any_change():
 def test_torn_last_line_is_skipped_and_next_append_starts_fresh(tmp_path, caplog):
     j = _journal(tmp_path)
     _commit(j, 10)
-    half = encode_line({"event": "commit", "step": 20, "id": "x", "manifest": "m", "manifest_hash": "h"})
+    half = encode_line(commit(20))
     with open(j.path, "ab") as f:
         f.write(half[: len(half) // 2])
     state = j.read()
@@ -59,27 +52,24 @@ def test_damage_in_the_middle_is_reported_not_removed(tmp_path):
     _commit(j, 4)
     state = j.read()
     assert [r.step for r in state.records] == [1, 3, 4]
-    assert state.problems == [f"{j.path}: corrupt line 3 skipped"]
+    assert state.problems == [f"{j.path} line 3: damaged line, skipped"]
 
 
 def test_fold_rollback_undo_and_prune():
-    evs = [{"event": "init", "store_id": "s"}]
-    evs += [
-        {"event": "commit", "step": s, "id": f"c{s}", "manifest": "m", "manifest_hash": "h"}
-        for s in (1, 2, 3)
-    ]
+    evs = [{"event": "init", "store_id": "5" * 32}]
+    evs += [commit(s) for s in (1, 2, 3)]
     evs.append({"event": "rollback", "to_step": 1})
-    evs.append({"event": "commit", "step": 2, "id": "c2b", "manifest": "m", "manifest_hash": "h"})
+    evs.append(commit(2, cid("c2b")))
     _, recs, _ = fold(evs)
     assert [(r.id, r.rolled_back) for r in recs] == [
-        ("c1", False),
-        ("c2", True),
-        ("c3", True),
-        ("c2b", False),
+        (cid(1), False),
+        (cid(2), True),
+        (cid(3), True),
+        (cid("c2b"), False),
     ]
     _, recs, _ = fold([*evs, {"event": "rollback", "undo": True}])
     assert not any(r.rolled_back for r in recs)
-    _, recs, _ = fold([*evs, {"event": "prune", "ids": ["c1"]}])
+    _, recs, _ = fold([*evs, {"event": "prune", "ids": [cid(1)]}])
     assert recs[0].pruned and not recs[0].live
 
 

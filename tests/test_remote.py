@@ -172,6 +172,10 @@ def test_run_remote_resumes_on_a_new_node(s3, tmp_path, python, child_env):
     second = run("node-b", "b.pt")  # an empty local directory: a replaced node
     assert second.returncode == 0, second.stdout + second.stderr
     assert "restored step 21" in second.stdout, second.stdout
+    (record,) = (tmp_path / "node-b" / "ckpt" / "runs").glob("*.json")
+    began = json.loads(record.read_text())["attempts"][0]
+    assert (began["start_step"], began["restored_from"]) == (21, "remote"), began  # what the child said
+    assert "attempt 0: resumed at step 21 (restored from remote)" in second.stdout
     assert_same_state(torch.load(tmp_path / "b.pt"), torch.load(tmp_path / "a.pt"))
     assert SECRET not in first.stdout + first.stderr + second.stdout + second.stderr
 
@@ -186,7 +190,10 @@ def test_remote_down_never_blocks_training_and_backlog_goes_up_later(
     extra = s3_env(port)
     url = "s3://late/run"
     store = tmp_path / "store"
-    env = _env(child_env, url, extra, remote_close_wait=90)
+    # A new run started deliberately while the remote is down (remote_start_fresh: without it a
+    # start with nothing local waits for the remote, test_remote_outage.py); mid-run the outage
+    # must cost training nothing.
+    env = _env(child_env, url, extra, remote_close_wait=90, remote_start_fresh=1)
     proc = subprocess.Popen(
         _train(python, store, 200, tmp_path / "final.pt", every=5, step_time=0.05),
         env=env,

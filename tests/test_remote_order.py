@@ -15,18 +15,15 @@ from smartckpt_cli.remote.fetch import restore_order
 from smartckpt_cli.remote.replicator import plan_round
 from smartckpt_cli.remote.rjournal import JOURNAL_DIR, RemoteJournal, object_name, parse_name
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
+from tests._names import HASH, commit
+from tests._names import cid as make_cid
+
+STORE = "5" * 32
 
 
 def rec(step: int, pos: int, cid: str | None = None, **kw: object) -> CheckpointRecord:
-    cid = cid or f"id{step}"
-    ev = {
-        "event": "commit",
-        "step": step,
-        "id": cid,
-        "manifest": f"manifests/{step}-{cid}.json",
-        "manifest_hash": "h",
-    }
-    return CheckpointRecord(step, cid, ev["manifest"], "h", pos, event=ev, **kw)  # type: ignore[arg-type]
+    ev = commit(step, make_cid(cid or f"id{step}"))
+    return CheckpointRecord(step, ev["id"], ev["manifest"], HASH, pos, event=ev, **kw)  # type: ignore[arg-type]
 
 
 def test_order_local_first_each_repairable_from_remote():
@@ -50,13 +47,13 @@ def test_order_remote_newer_than_local_comes_first_older_last():
     # a new local store (after a wipe) that saved step 5 before noticing; the remote has 40 and 2
     local = [rec(5, 1, "new5")]
     remote = [rec(40, 4), rec(2, 1)]
-    order = restore_order(local, {"new5"}, remote)
+    order = restore_order(local, {make_cid("new5")}, remote)
     assert [(c.record.step, c.where) for c in order] == [(40, "remote"), (5, "local"), (2, "remote")]
 
 
 def test_order_never_resurrects_what_the_local_journal_pruned_or_rolled_back():
     local_live = [rec(10, 1)]
-    known = {"id10", "id20", "id30"}  # 20 pruned, 30 rolled back locally
+    known = {make_cid(f"id{s}") for s in (10, 20, 30)}  # 20 pruned, 30 rolled back locally
     remote = [rec(30, 3), rec(20, 2), rec(10, 1)]
     order = restore_order(local_live, known, remote)
     assert [c.record.step for c in order] == [10]
@@ -64,43 +61,46 @@ def test_order_never_resurrects_what_the_local_journal_pruned_or_rolled_back():
 
 def test_plan_round_uploads_missing_in_commit_order_and_withdraws_rollbacks():
     local = JournalState(
-        "s",
+        STORE,
         [rec(10, 1), rec(20, 2, rolled_back=True), rec(30, 3), rec(40, 4, pruned=True), rec(50, 5)],
         [],
         [],
     )
     from smartckpt_cli.remote.rjournal import RemoteState
 
-    remote = RemoteState("s", [rec(10, 1), rec(20, 2)], [], 3)
+    remote = RemoteState(STORE, [rec(10, 1), rec(20, 2)], [], 3)
     plan = plan_round(local, remote)
     assert [r.step for r in plan.upload] == [30, 50]  # pruned 40 is gone locally: never shipped
     assert [r.step for r in plan.withdraw] == [20]
-    assert [r.step for r in plan_round(local, remote, skip={"id30"}).upload] == [50]
+    assert [r.step for r in plan_round(local, remote, skip={make_cid("id30")}).upload] == [50]
 
 
 def test_upload_lag_is_live_local_not_remote():
     local = [rec(10, 1), rec(20, 2), rec(30, 3, pruned=True)]
-    assert [r.step for r in upload_lag(local, {"id10"})] == [20]
+    assert [r.step for r in upload_lag(local, {make_cid("id10")})] == [20]
 
 
 def test_object_names_sort_in_sequence_and_parse_back():
-    names = [object_name(n, "commit", f"t{n}") for n in (10, 2, 100)]
-    assert sorted(names) == [object_name(n, "commit", f"t{n}") for n in (2, 10, 100)]
-    assert parse_name(object_name(7, "prune", "abc")) == (7, "prune")
+    names = [object_name(n, "commit", make_cid(n)) for n in (10, 2, 100)]
+    assert sorted(names) == [object_name(n, "commit", make_cid(n)) for n in (2, 10, 100)]
+    assert parse_name(object_name(7, "prune", "abcdef012345")) == (7, "prune")
     assert parse_name("junk.json") is None and parse_name("000000000001-commit-x") is None
+    # a name that is not the format's is never read: it could name anything
+    assert parse_name("000000000001-commit-../../x.json") is None
+    assert parse_name(object_name(7, "prune", "abc")) is None
 
 
 def test_remote_journal_replays_and_skips_a_damaged_object(tmp_path):
     remote = DirRemote(f"file://{tmp_path}")
     j = RemoteJournal(remote)
-    j.init("store1")
+    j.init(STORE)
     for seq, r in enumerate([rec(10, 1), rec(20, 2)], start=1):
         j.write(seq, dict(r.event), tag=r.id)
-    j.write(3, {"event": "prune", "ids": ["id10"]})
-    damaged = tmp_path / JOURNAL_DIR / object_name(4, "commit", "bad")
+    j.write(3, {"event": "prune", "ids": [make_cid("id10")]})
+    damaged = tmp_path / JOURNAL_DIR / object_name(4, "commit", "bad0bad0bad0")
     damaged.write_bytes(b'{"event":"commit","step":99,"crc":"0"}\n')
     state = j.read()
-    assert state.store_id == "store1"
+    assert state.store_id == STORE
     assert [r.step for r in state.live()] == [20]
     assert state.next_seq == 5
     assert any("damaged" in p for p in state.problems)

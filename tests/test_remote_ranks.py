@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,9 @@ from smartckpt_cli.remote.parts import (
 )
 from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.store.directory import open_store
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, fold
+from tests._names import cid as _cid
+from tests._names import commit
 from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
 from tests._state import assert_same_state
 
@@ -49,8 +52,10 @@ NODE_LOCAL = ["--dir", "local", "--node-local", "--meta-dir", "shared", "--every
 
 
 def _rec(step: int, cid: str, ranks: int) -> CheckpointRecord:
-    parts = [[f"manifests/{step:012d}-{cid}-r{r}.json", f"h{r}", f"d{r}"] for r in range(ranks)]
-    return CheckpointRecord(step, cid, parts[0][0], "h0", step, event={"parts": parts, "world_size": ranks})
+    """A multi-rank commit line as the journal reads it (names checked)."""
+    (record,) = fold([commit(step, _cid(cid), world=ranks)])[1]
+    assert record.invalid is None and record.parts is not None
+    return record
 
 
 def test_status_of_several_ranks_names_the_slowest():
@@ -71,25 +76,28 @@ def test_status_of_several_ranks_names_the_slowest():
 
 def test_a_step_needs_every_ranks_marker():
     rec = _rec(10, "abc", 2)
+    abc = _cid("abc")
     assert missing_markers(rec, set()) == [0, 1]
-    assert missing_markers(rec, {marker_name(10, "abc", 0)}) == [1]
-    assert missing_markers(rec, {marker_name(10, "abc", 0), marker_name(10, "abc", 1)}) == []
-    assert marker_name(10, "abc", 1) != marker_name(10, "abc", 0)  # no two writers collide
+    assert missing_markers(rec, {marker_name(10, abc, 0)}) == [1]
+    assert missing_markers(rec, {marker_name(10, abc, 0), marker_name(10, abc, 1)}) == []
+    assert marker_name(10, abc, 1) != marker_name(10, abc, 0)  # no two writers collide
     assert status_name(0) == "remote-status.json" and status_name(1) == "remote-status-r1.json"
 
 
 def test_parts_that_can_still_be_committed_and_the_abandoned_rest():
     # local journal: 5 (on the remote), 10 (never completed), 15 (on the remote), 20 (uploading)
     local = [_rec(5, "a5", 2), _rec(10, "a10", 2), _rec(15, "a15", 2), _rec(20, "a20", 2)]
-    local = [CheckpointRecord(r.step, r.id, r.manifest, "h0", i, event=r.event) for i, r in enumerate(local)]
-    remote_ids = {"a5", "a15", "old"}  # "old": committed once, pruned since
-    assert still_pending(local, remote_ids, {"a15"}) == {"a20"}  # a10 was passed by a15
-    assert still_pending(local, {"a5"}, {"a5"}) == {"a10", "a15", "a20"}
-    assert still_pending(local, set(), set()) == {"a5", "a10", "a15", "a20"}
-    assert part_cid("000000000010-a10-r1.json") == "a10"
-    assert part_cid(marker_name(7, "9f3e", 12)) == "9f3e"
-    assert part_cid("000000000010-a10.json") is None  # a one-process manifest
-    assert part_cid("notes.txt") is None and part_cid("000000000010-a10-rx.json") is None
+    local = [replace(r, position=i) for i, r in enumerate(local)]
+    a5, a10, a15, a20 = (_cid(x) for x in ("a5", "a10", "a15", "a20"))
+    remote_ids = {a5, a15, _cid("old")}  # "old": committed once, pruned since
+    assert still_pending(local, remote_ids, {a15}) == {a20}  # a10 was passed by a15
+    assert still_pending(local, {a5}, {a5}) == {a10, a15, a20}
+    assert still_pending(local, set(), set()) == {a5, a10, a15, a20}
+    assert part_cid(f"000000000010-{a10}-r1.json") == a10
+    assert part_cid(marker_name(7, _cid("9f3e"), 12)) == _cid("9f3e")
+    assert part_cid(f"000000000010-{a10}.json") is None  # a one-process manifest
+    assert part_cid("notes.txt") is None and part_cid(f"000000000010-{a10}-rx.json") is None
+    assert part_cid("000000000010-a10-r1.json") is None  # not a checkpoint id: never ours
 
 
 # ---------------------------------------------------------------- end to end (slow)
@@ -210,6 +218,41 @@ def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
     # no secret anywhere
     assert SECRET not in out + out2
     assert all(SECRET.encode() not in v for v in all_objects(moto.port, bucket).values())
+
+
+@pytest.mark.slow
+def test_four_ranks_on_four_node_local_disks_resume_from_the_remote_bit_exact(tmp_path, s3, moto, env_base):
+    """4 ranks, each with its own node-local dir, the journal in a shared meta_dir: rank 2 is
+    SIGKILLed at step 17. Every remote commit names the 4 parts, each marked. With all 4 disks
+    and the meta_dir lost, the job resumes at 4 ranks from the newest remote step, every rank
+    fetching its own part only, and ends bit-exact with an uninterrupted 4-rank run."""
+    url, bucket, _ = s3
+    (tmp_path / "ref").mkdir()
+    rc, log = _torchrun(
+        ["--dir", "ck", "--every", "5", "--total", str(TOTAL), "--out", "ref"], tmp_path / "ref", env_base, 4
+    )
+    assert rc == 0, log[-3000:]
+    reference = [torch.load(tmp_path / "ref" / f"ref.r{r}", weights_only=True) for r in range(4)]
+    env = _remote_env(env_base, s3)
+    args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
+    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "2"], tmp_path, env, 4)
+    assert rc != 0, out[-3000:]
+    ids = {(tmp_path / "local" / f"node{r}" / "dir.id").read_text() for r in range(4)}
+    assert len(ids) == 4  # four disks: nothing written once for another
+    commits = _remote_commits(url, env)
+    assert commits, out[-3000:]
+    for rec in commits:
+        assert rec.event["world_size"] == 4 and len(rec.event["parts"]) == 4
+        assert not missing_markers(rec, _markers(moto.port, bucket))
+    newest = commits[-1].step
+    _wipe(tmp_path)
+    rc, out2 = _torchrun(args, tmp_path, env, 4)
+    assert rc == 0, out2[-3000:]
+    assert all(f"rank {r} start {newest}" in out2 for r in range(4)), out2[-3000:]
+    for r in range(4):
+        assert_same_state(torch.load(tmp_path / f"run.r{r}", weights_only=True), reference[r])
+        fetched = {p.name for p in (tmp_path / "local" / f"node{r}" / "manifests").glob(f"{newest:012d}-*")}
+        assert fetched and all(n.endswith(f"-r{r}.json") for n in fetched), (r, fetched)
 
 
 @pytest.mark.slow

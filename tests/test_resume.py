@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from smartckpt_cli.cli.demo import run_until
-from tests._state import assert_same_state
+from tests._state import assert_same_state, expectation, resume_checks
 
 STEPS = 48
 
@@ -26,6 +26,16 @@ def _cmd(python: str, store, out, precision: str = "exact") -> list[str]:
         python, "-m", "smartckpt_cli.ops.demo_train", "--dir", str(store), "--steps", str(STEPS),
         "--save-every", "7", "--out", str(out), "--precision", precision, "--step-time", "0.02",
     ]  # fmt: skip
+
+
+def _commits(store) -> list[dict]:
+    import json
+
+    return [
+        e
+        for e in map(json.loads, (store / "journal.jsonl").read_text().splitlines())
+        if e["event"] == "commit"
+    ]
 
 
 def _trace(lines: list[str]) -> dict[int, str]:
@@ -60,6 +70,10 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     assert rc == -9, f"child was not killed by SIGKILL (rc={rc})"
     killed = _trace(lines)
     assert all(killed[n] == ref_trace[n] for n in killed), "the first run already diverged"
+    # what the killed run recorded of the step after its newest checkpoint (none when the kill
+    # came first), read before the resumed run prunes that checkpoint
+    newest = max((c["step"] for c in _commits(store)), default=0)
+    expected = expectation(store, newest) if newest else None
 
     lines, rc = run_until(_cmd(python, store, tmp_path / "final.pt"), None)
     assert rc == 0, "\n".join(lines[-20:])
@@ -73,6 +87,14 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path, python, reference, kill_at):
     assert min(trace) == resumed_from + 1
     assert trace == {n: ref_trace[n] for n in trace}, "loss trace after the resume differs"
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    # The resume check: the step after the restored checkpoint computed what it computed before
+    # (recorded at that step by the killed run: not when the kill came first).
+    checks = resume_checks(store)
+    assert all(c["verdict"] == "exact" for c in checks), checks
+    if resumed_from == newest and expected is not None:
+        assert [(c["step"], c["expected"]) for c in checks] == [
+            (newest + 1, {k: expected[k] for k in ("loss", "grad_norm")})
+        ], checks
 
 
 def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
@@ -86,6 +108,10 @@ def test_two_kills_in_a_row_still_bit_exact(tmp_path, python, reference):
     trace = _trace(lines)
     assert trace == {n: ref_trace[n] for n in trace}
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    # the first resume is checked; the second only when the killed run had written the step
+    # after its newest checkpoint down before the kill (a background write racing the SIGKILL)
+    verdicts = [c["verdict"] for c in resume_checks(store)]
+    assert verdicts in (["exact"], ["exact", "exact"]), verdicts
 
 
 def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, python, reference):
@@ -120,3 +146,5 @@ def test_sigterm_saves_at_the_next_step_exits_and_resumes_bit_exact(tmp_path, py
     trace = _trace(lines)
     assert min(trace) == last + 1 and trace == {n: ref_trace[n] for n in trace}
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref_state)
+    # the preemption save was the last step: nothing after it to check against
+    assert resume_checks(store) == []

@@ -106,3 +106,121 @@ def test_read_only_directory_keeps_training_and_earlier_checkpoints(bind_dir, tm
         again.register(model=fresh)
         assert again.restore() == 1
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+
+
+def _fill(where) -> None:
+    """Fill the filesystem holding ``where`` to the last byte (a ballast file)."""
+    import os
+
+    fd = os.open(where / "ballast", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\1" * size)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_that_fills_and_frees_mid_run_never_raises_into_the_loop(tmp_path):
+    """A 24 MB tmpfs filled at step 10 and freed at step 26, a save every 2 steps, and the trace's
+    folder a read-only mount from step 14 to 20: no exception reaches the training loop (not from
+    the saves, not from the trace's flush), each failure is recorded, and saving, the trace and
+    the journal work again once they can."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    _mount(["-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)])
+    try:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters())
+        store = mnt / "store"
+        mgr = sc.CheckpointManager(store, keep_last=2, every_steps=2, eval_every=1)
+        mgr.register(model=model, optimizer=opt)
+        raised, committed_after = [], []
+        for step in range(1, 41):
+            if step == 10:
+                _fill(mnt)
+            if step == 14:
+                traces = store / "traces"
+                _mount(["--bind", str(traces), str(traces)])
+                _mount(["-o", "remount,ro,bind", str(traces)])
+            if step == 20:
+                subprocess.run(["umount", str(store / "traces")], check=True)
+            if step == 26:
+                (mnt / "ballast").unlink()
+            try:
+                _step(model, opt)
+                res = mgr.step(step, loss=float(step))
+                if res.handle is not None and res.handle.wait() is not None and step > 26:
+                    committed_after.append(step)
+            except Exception as err:  # what the issue saw: OSError ENOSPC out of mgr.step()
+                raised.append((step, repr(err)))
+        failures = mgr.close()
+        from smartckpt_cli.store.directory import open_store
+
+        _, journal = open_store(store).journal.read_events()
+        (trace,) = (store / "traces").glob("*.csv")
+        traced = [int(line.split(",")[0]) for line in trace.read_text().splitlines()[1:]]
+    finally:
+        subprocess.run(["umount", "-l", str(store / "traces")], check=False, capture_output=True)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert raised == []
+    assert failures and all("No space left on device" in f or "Read-only" in f for f in failures), failures
+    assert committed_after, "no save committed once the disk had room again"
+    # Reported where it shows, once there was room to write it: every failed save, the trace's
+    # failure and its recovery; the trace kept the lines of the full period in memory.
+    failed = [e for e in journal if e["event"] == "save_failed"]
+    assert len(failed) == len(failures) and any("No space left" in e["cause"] for e in failed)
+    assert [e["event"] for e in journal if e.get("what") == "trace"] == ["io_error", "io_ok"]
+    assert set(range(12, 26)) <= set(traced), traced
+    trace_error = next(e for e in journal if e["event"] == "io_error")
+    assert "Read-only file system" in trace_error["error"], trace_error
+
+
+class _Flaky:
+    """A registered object whose ``state_dict()`` raises (a bug in user code, a codec error...)
+    while ``broken`` is set: a failure that is neither an OSError nor smartckpt's own."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        if self.broken:
+            raise TypeError("state_dict of a user object raised")
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def test_a_failing_background_save_of_any_kind_is_recorded_never_raised(tmp_path, caplog):
+    import logging
+
+    from smartckpt_cli.store.directory import open_store
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    flaky = _Flaky()
+    mgr = sc.CheckpointManager(tmp_path / "store", keep_last=3, every_steps=2)
+    mgr.register(model=model, optimizer=opt, stats=flaky)
+    committed = []
+    with caplog.at_level(logging.DEBUG, logger="smartckpt_cli.engine.saving"):
+        for step in range(1, 21):
+            flaky.broken = 6 <= step < 14
+            flaky.value = step
+            _step(model, opt)
+            res = mgr.step(step)  # must never raise, whatever the save does
+            if res.handle is not None and res.handle.wait() is not None:
+                committed.append(step)
+    failures = mgr.close()
+    assert committed and min(committed) < 6 and max(committed) >= 14, committed
+    assert len(failures) >= 3 and all("TypeError: state_dict of a user object raised" in f for f in failures)
+    errors = [r for r in caplog.records if r.name.endswith("saving") and r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]  # once per distinct cause
+    _, events = open_store(tmp_path / "store").journal.read_events()
+    failed = [e for e in events if e["event"] == "save_failed"]
+    assert len(failed) == len(failures) and failed[0]["cause"].startswith("TypeError: state_dict")
+    assert [e["repeat"] for e in failed] == list(range(len(failed)))

@@ -90,6 +90,21 @@ def test_sigkill_at_a_random_step_finishes_bit_exact(tmp_path, child_env, refere
     assert first["steps_lost"] == kill_at - first["restart_from"]
     assert first["restart_from"] % 5 == 0 and first["restart_from"] <= kill_at
     assert f"lost {first['steps_lost']} step(s)" in out  # reported at the restart
+    second = rec["attempts"][1]
+    assert second["start_step"] == first["restart_from"]
+    if first["restart_from"] == 0:  # killed before its first checkpoint: nothing to resume
+        assert second["restored_from"] is None and second["resume_check"] is None
+    else:
+        # The resume is checked (exact), or said not to be: the killed run died before the step
+        # after that checkpoint could be recorded (its own report says which).
+        assert second["restored_from"] == "disk"
+        check = second["resume_check"]
+        report = json.loads(
+            (tmp_path / "ck" / "runs" / rec["run_id"] / f"report.{second['pid']}.json").read_text()
+        )
+        assert (check is None) != (report.get("resume_check_skipped") is None), report
+        assert check is None or (check["verdict"] == "exact" and check["step"] == second["start_step"] + 1)
+        assert check is not None or "recorded nothing after it" in report["resume_check_skipped"]
     assert "1 restart(s)" in out and "run record:" in out
     # the failure taught an MTBF, handed to the restarted child for its Young/Daly interval
     assert rec["mtbf"] is not None and f"SMARTCKPT_MTBF={rec['mtbf']:.1f}" in out
@@ -273,6 +288,10 @@ def test_zero_code_script_killed_at_a_random_step_finishes_bit_exact(tmp_path, c
     assert rec["restarts"] == 1 and first["max_step"] == kill_at, out
     assert f"start {first['restart_from']}" in out
     assert first["restart_from"] > 0  # the killed attempt committed checkpoints
+    second = rec["attempts"][1]
+    assert second["start_step"] == first["restart_from"] and second["restored_from"] == "disk"
+    assert second["resume_check"]["verdict"] == "exact", second  # zero-code: always recorded
+    assert f"attempt 1: resumed at step {first['restart_from']} (restored from disk)" in out
     journal = [json.loads(ln) for ln in (tmp_path / "ck" / "journal.jsonl").read_text().splitlines()]
     assert not [r for r in journal if r["event"] == "save_failed"]
     assert [r["health"] for r in journal if r["event"] == "commit"] == ["ok"] * sum(

@@ -22,6 +22,8 @@ from smartckpt_cli.timeline import (
     restart_label,
 )
 from smartckpt_cli.timeline.place import Track, place
+from tests._names import cid as make_cid
+from tests._names import commit
 
 HEAD = "step,time,loss,curvature,grad_var,update,score,decision\n"
 
@@ -148,8 +150,8 @@ def _csv(steps, t0, *, dt=1.0, memory=False, decisions=None, bad=()):
 
 
 def _commit(step, cid, reason, **kw):
-    return {"event": "commit", "step": step, "id": cid, "manifest": f"m/{cid}", "manifest_hash": "h",
-            "reason": reason, "health": kw.get("health", "ok"), "calm": kw.get("calm", True), "score": 0.1}  # fmt: skip
+    return commit(step, make_cid(cid), reason=reason, health=kw.get("health", "ok"), calm=kw.get("calm", True),
+                  score=0.1)  # fmt: skip
 
 
 def _facts(*, memory=False):
@@ -158,11 +160,11 @@ def _facts(*, memory=False):
     first = parse_table(_csv(range(1, 31), 1000.0, memory=memory, decisions={10: "interval 10s"}), "a.csv")
     second = parse_table(_csv(range(31, 61), 1050.0, memory=memory, decisions={45: "precursor: planned update"}, bad={50}), "b.csv")  # fmt: skip
     events = [
-        {"event": "init", "format": "smartckpt-journal", "v": 1, "store_id": "s"},
+        {"event": "init", "format": "smartckpt-journal", "v": 1, "store_id": "5" * 32},
         _commit(10, "c10", "interval 10s"),
         _commit(20, "c20", "lost-work budget"),
         _commit(30, "c30", "interval 10s", calm=False),
-        {"event": "prune", "ids": ["c10", "c20"]},
+        {"event": "prune", "ids": [make_cid("c10"), make_cid("c20")]},
         _commit(40, "c40", "manual"),
         _commit(44, "c44", "precursor: planned update"),
         {"event": "save_failed", "step": 48, "error": "disk full"},

@@ -30,8 +30,10 @@ import contextlib
 import logging
 import os
 import sys
+import time
+import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -39,10 +41,14 @@ from smartckpt_cli.engine.heartbeat import (
     beat,
     heartbeat_state,
     hooks_state,
+    protocol,
     register_exit,
     run_dir,
     set_done_at_exit,
+    trouble,
 )
+from smartckpt_cli.engine.report import report
+from smartckpt_cli.errors import EXIT_REMOTE_UNREACHABLE, RemoteStartRefused
 
 if TYPE_CHECKING:
     from smartckpt_cli.agent.zerocode import ZeroCode
@@ -87,7 +93,9 @@ def _report(what: str, err: BaseException) -> None:
 
 
 _installed = False
+# The step's loss: the scalars backward() ran on since the last optimizer step, summed.
 _last_loss: torch.Tensor | None = None
+_fresh = True  # the next backward() starts a new step's loss
 _zc: ZeroCode | None = None
 _off = False  # stood down (a user manager, several ranks) or disabled by an internal error
 _creating_own = False
@@ -102,22 +110,118 @@ def install_hooks() -> None:
     _installed = True
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+    global _watch
     register_optimizer_step_pre_hook(_pre_hook)
     register_optimizer_step_post_hook(_post_hook)
+    from smartckpt_cli.agent.zerocode import stamp_creation
+
+    stamp_creation()  # a creation order, the same in every run, for zero-code's names
+    _watch = _NoOptimizer()
     torch.Tensor.backward = _remember_loss(torch.Tensor.backward)  # type: ignore[method-assign]
     torch.autograd.backward = _remember_loss(torch.autograd.backward)
 
 
 def _remember_loss(fn: Callable[..., Any]) -> Callable[..., Any]:
     def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        global _last_loss
+        global _last_loss, _fresh, _depth
+        if _depth:  # Tensor.backward calls torch.autograd.backward: one backward pass, seen once
+            return fn(tensors, *args, **kwargs)
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            _last_loss = tensors.detach()  # a view: no copy, no host sync; the graph is not held
-        return fn(tensors, *args, **kwargs)
+            t = tensors.detach()  # a view: no copy, no host sync; the graph is not held
+            # Gradient accumulation backpropagates loss/k k times a step: their sum is the step's
+            # loss (what the loop logs, the trigger reads and the status line shows).
+            _last_loss = t if _fresh or _last_loss is None else _last_loss + t
+            _fresh = False
+            if _watch is not None:
+                _watch.backward(tensors)
+        _depth += 1
+        try:
+            out = fn(tensors, *args, **kwargs)
+        finally:
+            _depth -= 1
+        if _watch is not None:
+            _watch.after()
+        return out
 
     backward.__doc__, backward.__name__ = fn.__doc__, fn.__name__
     backward.__wrapped__ = fn  # type: ignore[attr-defined]
     return backward
+
+
+_depth = 0
+
+
+class _NoOptimizer:
+    """Backward passes that no ``torch.optim`` optimizer follows (a hand-written update): said
+    once, as soon as it is clear, and reported to ``smartckpt run``; off for good at the first
+    optimizer step. An iteration shows as gradients reset between two backward passes (the
+    model's ``zero_grad``; gradient accumulation keeps them), watched on one parameter the
+    first loss depends on."""
+
+    ITERATIONS = 3
+
+    def __init__(self) -> None:
+        self.leaf: Any = None  # weakref to a parameter the loss depends on
+        self.grad: tuple[int, int] | None = None  # (id, version) of its gradient after backward
+        self.iterations = 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.leaf is None:
+            self.leaf = _first_leaf(loss) or (lambda: None)  # none found: watch nothing
+            return
+        p = self.leaf()
+        if p is None:
+            return
+        g = p.grad
+        if self.grad is not None and (g is None or (id(g), g._version) != self.grad):
+            self.iterations += 1
+            if self.iterations >= self.ITERATIONS:
+                _no_optimizer(self.iterations)
+        self.grad = None
+
+    def after(self) -> None:
+        p = self.leaf() if self.leaf is not None else None
+        g = p.grad if p is not None else None
+        self.grad = (id(g), g._version) if g is not None else None
+
+
+def _first_leaf(loss: torch.Tensor) -> Any:
+    """A weak reference to a leaf tensor ``loss`` depends on (its graph walked up to 1000 nodes)."""
+    todo, seen = [loss.grad_fn], 0
+    while todo and seen < 1000:
+        node = todo.pop()
+        seen += 1
+        if node is None:
+            continue
+        var = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if isinstance(var, torch.Tensor):
+            return weakref.ref(var)
+        todo.extend(n for n, _ in node.next_functions)
+    return None
+
+
+def _no_optimizer(iterations: int) -> None:
+    global _watch
+    _watch = None
+    import gc
+
+    from smartckpt_cli.engine import manager as engine_manager
+
+    if _off or engine_manager.managers_built() > 0:
+        return  # the script checkpoints with its own manager: it needs no optimizer
+    if any(issubclass(type(o), torch.optim.Optimizer) for o in gc.get_objects()):
+        return  # there is one: a GradScaler skipping its first steps, or a loop yet to step it
+    print(
+        f"smartckpt: backward() has run for {iterations} iterations but no torch.optim optimizer has "
+        "stepped: zero-code checkpointing needs one, so nothing is checkpointed; for a hand-written "
+        "update, use a CheckpointManager in the script (README: Usage)",
+        file=sys.stderr,
+        flush=True,
+    )
+    report(no_optimizer=True)
+
+
+_watch: _NoOptimizer | None = None
 
 
 def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -127,11 +231,22 @@ def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         zc = _zc if _zc is not None else _arm(via_start_step=False)
         if zc is not None:
             zc.before_step(optimizer)
+    except RemoteStartRefused as err:
+        _refuse_start(err)  # never train on from step 0 while the run's checkpoints may be on the remote
     except Exception as err:
         _disable("optimizer step", err)
 
 
+def _loss_done() -> None:
+    """A step ended (an optimizer stepped, or a GradScaler skipped its step): the next
+    ``backward()`` begins the next step's loss."""
+    global _fresh
+    _fresh = True
+
+
 def _post_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    global _fresh, _watch
+    _fresh, _watch = True, None  # the next backward() is the next step's; an optimizer steps
     if _beat_only is not None:
         _beat_only.after_step(optimizer)
         return
@@ -143,15 +258,45 @@ def _post_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         _disable("optimizer step", err)
 
 
+def _refuse_start(err: RemoteStartRefused) -> NoReturn:
+    """End this process with its one line and exit code 5: the run's checkpoints may be on a
+    remote that cannot be reached, and training from step 0 would orphan them. The error file
+    tells ``smartckpt run`` why (it stops, and says so); no traceback: nothing failed."""
+    sys.stderr.write(f"smartckpt: {err}\n")
+    where = run_dir()
+    if where is not None:
+        with contextlib.suppress(OSError):
+            proto = protocol()
+            proto.write_json(
+                proto.error_path(where, os.getpid()),
+                {"type": type(err).__name__, "message": str(err), "time": time.time()},
+            )
+    raise SystemExit(EXIT_REMOTE_UNREACHABLE)
+
+
 def _disable(what: str, err: BaseException) -> None:
-    global _off, _zc
+    """Zero-code checkpointing turns itself off (an error of its own it cannot step past): the
+    training goes on, never in silence. Why goes into the journal, the heartbeat (a flag) and the
+    report, so that ``smartckpt run`` shows it in its status line and exit summary and
+    ``smartckpt inspect`` lists it; the heartbeat keeps beating the steps (hang detection and the
+    lost-work count still hold)."""
+    global _off, _zc, _beat_only
     _report(what, err)
     logger.debug("zero-code checkpointing disabled", exc_info=err)
     _off = True
     zc, _zc = _zc, None
     set_done_at_exit(True)
+    why = f"{what}: {type(err).__name__}: {err}"[:300]
+    step = zc.step if zc is not None else 0
+    trouble("CHECKPOINTING_OFF", True)
+    report(checkpointing_off={"why": why, "step": step})
+    counter = _StepCounter()
+    counter.primary, counter.step = (zc.primary, step) if zc is not None else (None, step)
+    _beat_only = counter
     if zc is not None:
         zc.active = False
+        with contextlib.suppress(Exception):
+            zc.mgr.record_event({"event": "checkpointing_off", "step": step, "why": why})
         with contextlib.suppress(Exception):
             zc.mgr.close()
 
@@ -187,17 +332,28 @@ def start_step() -> int:
     try:
         install_hooks()
         zc = _zc if _zc is not None else _arm(via_start_step=True)
+    except RemoteStartRefused as err:
+        _refuse_start(err)  # never a silent start over at step 0: smartckpt run stops with exit code 5
     except Exception as err:
         _disable("start_step", err)
         return 0
     if zc is None:
         if not _off:
+            global _early
+            _early = True
             logger.warning(
-                "smartckpt: start_step() found no optimizer: call it after building the model, "
-                "optimizer and schedulers; nothing restored"
+                "smartckpt: start_step() was called before any optimizer exists: nothing restored, "
+                "so the loop begins at step 0 (a restart too); call it after building the model, "
+                "optimizer and schedulers"
             )
+            report(start_step=0, restored_from=None, start_step_called=True, start_step_early=True)
         return 0
-    return zc.restore()  # errors of a restore are the user's to see (never start over silently)
+    step = zc.restore()  # errors of a restore are the user's to see (never start over silently)
+    report(start_step_called=True, start_step_early=False)
+    return step
+
+
+_early = False  # start_step() came before any optimizer existed (said once, then)
 
 
 # ---------------------------------------------------------------------------- zero-code mode
@@ -236,7 +392,7 @@ def _arm(*, via_start_step: bool) -> ZeroCode | None:
     finally:
         _creating_own = False
     mgr.heartbeat = False  # zero-code mode beats each step from its post-hook
-    _zc = ZeroCode(found, mgr, loss=lambda: _last_loss, on_error=_disable)
+    _zc = ZeroCode(found, mgr, loss=lambda: _last_loss, on_error=_disable, loss_done=_loss_done)
     set_done_at_exit(False)  # _finish says DONE after the final checkpoint
     engine_manager.on_manager_created(manager_created)  # a manager built later stands us down
     if world > 1:  # the final checkpoint needs the world: take it before the group is destroyed
@@ -246,10 +402,13 @@ def _arm(*, via_start_step: bool) -> ZeroCode | None:
     pid = os.getpid()
     register_exit(lambda: _finish() if os.getpid() == pid else None)
     if not via_start_step:
-        logger.warning(
-            "smartckpt: the loop does not call smartckpt_cli.start_step(): checkpoints are written, "
-            "but a restart begins again at step 0"
-        )
+        # start_step() was not called before the first optimizer step: the loop began at step 0.
+        report(start_step=0, restored_from=None, start_step_called=_early, lineage=mgr.lineage)
+        if not _early:  # an early start_step() has said so already
+            logger.warning(
+                "smartckpt: the loop does not call smartckpt_cli.start_step(): checkpoints are "
+                "written, but a restart begins again at step 0"
+            )
     return _zc
 
 

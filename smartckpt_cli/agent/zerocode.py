@@ -5,6 +5,15 @@
 LR schedulers attached to them, an enabled GradScaler and (from ``start_step`` only, before their
 first epoch) the DataLoaders; :class:`ZeroCode` registers them with a CheckpointManager.
 
+Names must be the same in every run of a script, or a restart loads one object's state into
+another (a train and a val loader, two optimizers of one shape). ``gc`` lists objects in no stable
+order, so it only *finds* them: they are ordered by when they were created (:func:`stamp_creation`
+numbers every optimizer, scheduler, GradScaler and DataLoader as it is built, once the hooks are
+installed at ``import torch``), and named by the script's own variables where those are found
+(the frames of the loop and ``__main__``'s globals: ``opt_g``, ``val_loader``), else by kind and
+creation order. One object of a kind keeps the kind's name (``optimizer``, ``data``). A loader's
+dataset length and sampler are saved with its position: a different one is refused on restore.
+
 Exactness. The usual loop is ``backward(); opt.step(); sched.step(); opt.zero_grad()``. The
 checkpoint of step N must hold what the loop holds at the end of iteration N:
 
@@ -35,17 +44,23 @@ wrapped on the instance), and the loss fed to the trigger is divided by its scal
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 import logging
+import re
+import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from smartckpt_cli.agent.carry import CARRIED, carried
 from smartckpt_cli.engine.heartbeat import beat, beat_step, heartbeat_state
 
-__all__ = ["ZeroCode", "discover"]
+__all__ = ["ZeroCode", "discover", "script_names", "stamp_creation"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +74,7 @@ class _Found:
     schedulers: list[Any] = field(default_factory=list)
     scalers: list[Any] = field(default_factory=list)
     loaders: list[Any] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)  # id -> the script's variable name, where found
 
 
 def discover(*, with_loaders: bool) -> _Found:
@@ -84,7 +100,13 @@ def discover(*, with_loaders: bool) -> _Found:
             scalers.append(o)
         elif with_loaders and issubclass(t, DataLoader):
             loaders.append(o)
-    opts.sort(key=lambda o: (type(o).__name__, [tuple(p.shape) for g in o.param_groups for p in g["params"]]))
+    opts.sort(
+        key=lambda o: (
+            _created(o),
+            type(o).__name__,
+            [tuple(p.shape) for g in o.param_groups for p in g["params"]],
+        )
+    )
     where: dict[int, tuple[int, int]] = {}
     for i, o in enumerate(opts):
         for j, p in enumerate(p for g in o.param_groups for p in g["params"]):
@@ -97,12 +119,99 @@ def discover(*, with_loaders: bool) -> _Found:
     children = {id(c) for s in scheds for c in getattr(s, "_schedulers", [])}
     scheds = [s for s in scheds if id(getattr(s, "optimizer", None)) in opt_index and id(s) not in children]
     scheds.sort(key=lambda s: opt_index[id(s.optimizer)])
-    scalers = [s for s in scalers if s.is_enabled()]
-    return _Found(opts, top, scheds, scalers, loaders)
+    scalers = sorted((s for s in scalers if s.is_enabled()), key=_created)
+    loaders.sort(key=_created)
+    names = script_names([*opts, *top, *scheds, *scalers, *loaders])
+    return _Found(opts, top, scheds, scalers, loaders, names)
 
 
-def _names(base: str, objs: list[Any]) -> list[str]:
-    return [base] if len(objs) == 1 else [f"{base}{i}" for i in range(len(objs))]
+# ---------------------------------------------------------------------------- stable names
+
+_creation = itertools.count()
+_UNSTAMPED = 1 << 62  # created before the hooks were installed: after every stamped one
+# Kept beside the objects, never in them: an LR scheduler's state_dict() is its __dict__.
+_stamps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _created(obj: Any) -> int:
+    try:
+        return _stamps.get(obj, _UNSTAMPED)
+    except TypeError:  # not weakly referenceable or not hashable: never stamped
+        return _UNSTAMPED
+
+
+def stamp_creation() -> None:
+    """Number every optimizer, LR scheduler, GradScaler and DataLoader as it is created (called
+    once, when the hooks are installed at ``import torch``): a creation order that is the same in
+    every run of a script, unlike ``gc``'s."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    from torch.utils.data import DataLoader
+
+    classes: list[type] = [torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau, DataLoader]
+    classes += [t for t in (getattr(torch.amp, "GradScaler", None),) if isinstance(t, type)]
+    for cls in classes:
+        init = getattr(cls, "__init__")  # noqa: B009 (mypy refuses cls.__init__ on a type variable)
+        if not getattr(init, "_smartckpt_stamp", False):
+            setattr(cls, "__init__", _stamping(init))  # noqa: B010
+
+
+def _stamping(init: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        with contextlib.suppress(TypeError):
+            if self not in _stamps:  # once, whatever the subclass chain
+                _stamps[self] = next(_creation)
+
+    __init__._smartckpt_stamp = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    return __init__
+
+
+_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+_OURS = ("smartckpt_cli", "torch", "typing", "contextlib", "threading", "importlib")
+
+
+def script_names(objs: list[Any]) -> dict[int, str]:
+    """The script's own variable names of ``objs`` (by id): the locals of the frames that led here
+    (innermost first: the loop that called ``start_step()`` or ``optimizer.step()``), then
+    ``__main__``'s globals. A name found for two of them, or none, gives no name."""
+    wanted = {id(o) for o in objs}
+    found: dict[int, str] = {}
+    seen_names: dict[str, int] = {}
+    spaces: list[dict[str, Any]] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_OURS):
+            spaces.append(frame.f_locals)
+        frame = frame.f_back  # type: ignore[assignment]
+    main = sys.modules.get("__main__")
+    if main is not None:
+        spaces.append(vars(main))
+    for space in spaces:
+        for name, value in list(space.items()):
+            if (
+                id(value) in wanted
+                and id(value) not in found
+                and _IDENT.fullmatch(name)
+                and not name.startswith("_")
+            ):
+                if seen_names.get(name, id(value)) != id(value):
+                    continue
+                found[id(value)] = name
+                seen_names[name] = id(value)
+    return found
+
+
+def _names(base: str, objs: list[Any], known: dict[int, str] | None = None) -> list[str]:
+    """One object: the kind's name. Several: the script's variable names when every one has its
+    own, else the kind and the creation order (``optimizer0``, ``optimizer1``)."""
+    if len(objs) == 1:
+        return [base]
+    names = [(known or {}).get(id(o)) for o in objs]
+    if all(names) and len(set(names)) == len(names) and "rng" not in names:
+        return [str(n) for n in names]
+    return [f"{base}{i}" for i in range(len(objs))]
 
 
 @dataclass(slots=True)
@@ -190,7 +299,8 @@ class _BoundaryModule:
 class ZeroCode:
     """Zero-code checkpointing of what :func:`discover` found, through ``mgr``. The runtime calls
     ``before_step``/``after_step`` from the global optimizer hooks, ``restore`` from
-    ``start_step`` and ``finish`` at exit; ``loss()`` returns the last scalar ``backward`` ran on."""
+    ``start_step`` and ``finish`` at exit; ``loss()`` returns the step's loss (the scalars
+    ``backward`` ran on since the last step, summed) and ``loss_done()`` starts the next one."""
 
     def __init__(
         self,
@@ -199,12 +309,14 @@ class ZeroCode:
         *,
         loss: Callable[[], torch.Tensor | None],
         on_error: Callable[[str, BaseException], None],
+        loss_done: Callable[[], None] = lambda: None,
     ) -> None:
         from smartckpt_cli.state.registry import MODULE, RNG, adapt
         from smartckpt_cli.state.rng import RNGState
 
         self.mgr = mgr
         self.loss = loss
+        self.loss_done = loss_done  # the step ended: the next backward() starts the next loss
         self.on_error = on_error
         self.active = True
         self.optimizers = found.optimizers
@@ -218,12 +330,13 @@ class ZeroCode:
         # The wrapped objects are registered with the kind of what they wrap (module checks and
         # tiers on restore), which plain ``register`` would not see in a wrapper.
         mgr.register_as(RNG, _Recorded(self.live[RNG], RNG, self), kind=RNG)
-        for name, w in zip(_names("model", self.modules), self.modules, strict=True):
+        known = found.names
+        for name, w in zip(_names("model", found.modules, known), self.modules, strict=True):
             mgr.register_as(name, w, kind=MODULE)
-        mgr.register(**dict(zip(_names("optimizer", found.optimizers), found.optimizers, strict=True)))
-        mgr.register(**dict(zip(_names("scheduler", found.schedulers), found.schedulers, strict=True)))
-        mgr.register(**dict(zip(_names("scaler", found.scalers), found.scalers, strict=True)))
-        for name, loader in zip(_names("data", found.loaders), found.loaders, strict=True):
+        mgr.register(**dict(zip(_names("optimizer", found.optimizers, known), found.optimizers, strict=True)))
+        mgr.register(**dict(zip(_names("scheduler", found.schedulers, known), found.schedulers, strict=True)))
+        mgr.register(**dict(zip(_names("scaler", found.scalers, known), found.scalers, strict=True)))
+        for name, loader in zip(_names("data", found.loaders, known), found.loaders, strict=True):
             kind, state = adapt(loader)
             self.live[name] = state
             mgr.register_as(name, _Recorded(state, name, self), kind=kind)
@@ -232,9 +345,25 @@ class ZeroCode:
         self.scalers = found.scalers
         for scaler in self.scalers:
             self._count_skipped_steps(scaler)
+        # The loop's own carried values (carry.py): registered once the loop names them.
+        carried.copy_now = self._may_save_carried
+        carried.on_first_use = self._register_carried
+        if carried.used:
+            self._register_carried()
         logger.info(
             "zero-code checkpointing: %s", ", ".join(n for n in mgr.names() if n != RNG) or "nothing found"
         )
+
+    def _register_carried(self) -> None:
+        from smartckpt_cli.state.registry import STATE
+
+        if self.active and CARRIED not in self.mgr.names():
+            self.mgr.register_as(CARRIED, carried, kind=STATE)
+
+    def _may_save_carried(self) -> bool:
+        """carry() at the top of iteration N+1: whether the checkpoint of step N may be taken (its
+        boundary was recorded), so the values must be copied as they are now."""
+        return self.pending is not None and self.pending.states is not None
 
     def restore(self) -> int:
         if self.started or self.step:
@@ -242,7 +371,15 @@ class ZeroCode:
             return self.step
         self.started = True
         with heartbeat_state("RESTORING"):
-            self.step = self.mgr.restore()
+            loaded = self.mgr.read()
+            self.step = self.mgr.apply(loaded) if loaded is not None else 0
+        if loaded is not None and CARRIED in loaded.manifest.get("objects", {}):
+            # kept for the loop's first carry(), which comes after this (carry.py)
+            from smartckpt_cli.state.apply import apply_checkpoint
+            from smartckpt_cli.state.registry import STATE
+
+            apply_checkpoint(loaded, {CARRIED: (STATE, carried)})
+            carried.restored_step = self.step
         beat(self.step, state=None)
         return self.step
 
@@ -259,6 +396,7 @@ class ZeroCode:
                 try:
                     self.before_step(optimizer)
                     self.after_step(optimizer)
+                    self.loss_done()  # no optimizer post-hook ran to start the next step's loss
                 except Exception as err:
                     self.on_error("GradScaler step", err)
             return out
@@ -269,6 +407,8 @@ class ZeroCode:
         if id(optimizer) not in self.ids:
             return
         self.started = True
+        if self.mgr._ahead is not None:  # set in this step's pre-hook, for a save there
+            self.mgr._pre_update_done()
         if self.scalers:  # counted only for the GradScaler's skipped steps (_count_skipped_steps)
             self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
@@ -295,7 +435,24 @@ class ZeroCode:
             return
         if self.primary is None:
             self.primary = optimizer
-        if optimizer is not self.primary or self.pending is None:
+        if optimizer is not self.primary:
+            return
+        # This step's loss exists already (its backward ran): the resume check takes it here, for
+        # the checkpoint of the previous step saved below, or after a restore (resumecheck.py).
+        # Only where either may happen: elsewhere this costs a comparison.
+        pending = self.pending
+        if (pending is None or pending.states is None) and self.mgr._check.step != self.step + 1:
+            self._step_boundary()
+            return
+        scale = getattr(self.scalers[0], "_scale", None) if self.scalers else None
+        scale = scale if isinstance(scale, torch.Tensor) else None
+        # Kept until this step's post-hook: the manager's own pre-hook, which runs next, may take
+        # a precursor save of the previous step too.
+        self.mgr._pre_update(self.step + 1, self.loss(), scale, optimizer)
+        self._step_boundary()
+
+    def _step_boundary(self) -> None:
+        if self.pending is None:
             return
         rec, self.pending = self.pending, None
         # A buffer forward mutates that was just discovered makes this step unsaveable; from the
@@ -310,6 +467,7 @@ class ZeroCode:
     def finish(self, *, final_save: bool) -> None:
         """At interpreter exit: a final checkpoint (after a clean run), then close the manager."""
         self.active = False
+        carried.stale = True  # the loop's last carry() came before its last step
         rec, self.pending = self.pending, None
         if rec is not None and rec.states is None:
             # The last step was not recorded (no save was due): its boundary is as at exit.

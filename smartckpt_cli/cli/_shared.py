@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,7 +18,17 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-__all__ = ["DirArg", "MetaDirOpt", "RemoteOpt", "err", "human", "out", "progress_bar", "say"]
+__all__ = [
+    "DirArg",
+    "MetaDirOpt",
+    "RemoteOpt",
+    "err",
+    "human",
+    "open_checkpoints",
+    "out",
+    "progress_bar",
+    "say",
+]
 
 # readable=False: an unreadable directory is reported by open_store in one line (exit 2), not by
 # click's multi-line usage error.
@@ -44,6 +54,22 @@ RemoteOpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+def open_checkpoints(directory: Path, meta_dir: Path | None) -> Any:
+    """The store of ``directory`` (``open_store``); a directory with run records but no store
+    raises :class:`NothingCheckpointedError` saying so (exit 1), instead of "not a store"."""
+    from smartckpt_cli.errors import NotAStoreError, NothingCheckpointedError
+    from smartckpt_cli.store.directory import open_store
+    from smartckpt_cli.supervise.records import runs_without_checkpoints
+
+    try:
+        return open_store(directory, meta_dir)
+    except NotAStoreError:
+        line = runs_without_checkpoints(directory) if directory.is_dir() else None
+        if line is None:
+            raise
+        raise NothingCheckpointedError(line) from None
 
 
 def out() -> Console:

@@ -279,6 +279,26 @@ def run_cmd(
             help="Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and restore from it."
         ),
     ] = None,
+    remote_start_wait: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds to wait for an unreachable remote when nothing is local to resume (default 300)."
+        ),
+    ] = None,
+    remote_start_fresh: Annotated[
+        bool | None,
+        typer.Option(
+            "--remote-start-fresh/--no-remote-start-fresh",
+            help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
+        ),
+    ] = None,
+    resume_finished: Annotated[
+        bool,
+        typer.Option(
+            "--resume-finished",
+            help="Start the command even when its last run in --dir finished (it trains on from the final checkpoint).",
+        ),
+    ] = False,
 ) -> None:
     """Run a training script under smartckpt: checkpoints without code changes, restarts after
     crashes from the newest verified checkpoint.
@@ -288,7 +308,9 @@ def run_cmd(
       smartckpt run --every 30s -- torchrun --nproc_per_node 2 train.py
 
     Options go before the script; everything from the script (or after --) is the command.
-    Each option can also be set in smartckpt.yaml (--config) or as SMARTCKPT_<NAME>.
+    Each option but --resume-finished can also be set in smartckpt.yaml (--config) or as
+    SMARTCKPT_<NAME>. The same command again on a store whose last run finished does nothing
+    (exit 0) unless --resume-finished.
 
     \b
     Exit codes:
@@ -299,6 +321,8 @@ def run_cmd(
       2        bad input (a missing script, a bad option or setting)
       3        gave up: max_restarts reached
       4        crash loop: the same failure after a rollback to the previous checkpoint
+      5        nothing to resume locally and the remote unreachable for --remote-start-wait:
+               not started over at step 0 (--remote-start-fresh does, deliberately)
     """
     from smartckpt_cli.cli.run import run_command
 
@@ -308,12 +332,28 @@ def run_cmd(
         "hang_timeout": hang_timeout,
         "requeue": requeue,
         "remote": remote,
+        "remote_start_wait": remote_start_wait,
+        "remote_start_fresh": remote_start_fresh,
     }
-    raise typer.Exit(run_command(list(command or []), overrides, config, every))
+    raise typer.Exit(
+        run_command(list(command or []), overrides, config, every, resume_finished=resume_finished)
+    )
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="smartckpt: %(message)s")
+    # Each command reports the journal's damaged lines itself (in its table, its error line);
+    # the journal's own warning is for training processes and would say it twice.
+    journal_log = logging.getLogger("smartckpt_cli.store.journal")
+    level = journal_log.level
+    journal_log.setLevel(logging.ERROR)
+    try:
+        _run()
+    finally:
+        journal_log.setLevel(level)  # main() may run inside a longer-lived process (tests)
+
+
+def _run() -> None:
     try:
         app()
     except SmartckptError as err:

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, out, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, open_checkpoints, out, say
 
 __all__ = ["inspect"]
 
@@ -41,12 +41,19 @@ def inspect(
     With a remote tier, a last line tells how many committed checkpoints are not remote yet
     (from the uploader's status file, or from the remote itself with --remote).
 
-    Exit codes: 0 listed, 1 unreadable journal, 2 bad input (not a store, no such step).
+    A run that began again at step 0 (a script that does not call start_step()) starts a new
+    lineage: its checkpoints are not the continuation of the ones before it. With more than one
+    lineage, a 'line' column gives each checkpoint's (A, B, ... in the order they began) and a
+    line below says what each is; a resume never falls back from one lineage into another.
+    Every resume's check (the first resumed step's loss against the interrupted run's: exact,
+    close or differs) is listed below the table.
+
+    Exit codes: 0 listed, 1 unreadable journal, or a directory with run records of smartckpt
+    run but no checkpoint, 2 bad input (not a store, no such step).
     """
     from smartckpt_cli.ops.catalog import describe, list_checkpoints
-    from smartckpt_cli.store.directory import open_store
 
-    store = open_store(directory, meta_dir)
+    store = open_checkpoints(directory, meta_dir)
     if step is not None:
         detail = describe(store, step)
         if as_json:
@@ -60,8 +67,10 @@ def inspect(
         typer.echo(json.dumps({**catalog.to_json(), "remote": remote_view}, indent=2))
         return
     table = Table(title=f"checkpoints in {escape(str(directory))}", title_justify="left")
+    several = len(catalog.lineages) > 1
     for col, justify in (
         ("", "left"),
+        *((("line", "left"),) if several else ()),
         ("step", "right"),
         ("time (UTC)", "left"),
         ("reason", "left"),
@@ -72,15 +81,17 @@ def inspect(
         ("unique", "right"),
         ("shared", "right"),
         ("verified", "left"),
+        ("blobs checked", "left"),
         ("state", "left"),
     ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+        table.add_column(col, justify=justify)
     for r in catalog.rows:
         reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
         verified = {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified]
         on_disk = r.state != "pruned" and r.manifest_problem is None
         table.add_row(
             ">" if r.restore_target else "",
+            *((r.line,) if several else ()),
             str(r.step),
             escape((r.utc or "-").replace("T", " ").rstrip("Z")),
             escape(reason or "-"),
@@ -91,18 +102,62 @@ def inspect(
             human(r.bytes_unique) if on_disk else "-",
             human(r.bytes_shared) if on_disk else "-",
             escape(verified),
+            _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
             r.state,
         )
     out().print(table)
     if not catalog.rows:
         say("no checkpoint committed yet")
+    if several:
+        newest = max(catalog.rows, key=lambda r: r.restore_target).line if catalog.rows else "?"
+        for ln in catalog.lineages:
+            say(
+                f"lineage {ln.line}: {ln.checkpoints} checkpoint(s), steps {ln.first_step}..{ln.last_step}"
+                + (" (a resume loads this one)" if ln.line == newest else "")
+            )
+        say(
+            "each lineage is a training that began at step 0 (a restart of a script that does not call "
+            "start_step() begins again); a resume never falls back from one lineage into another"
+        )
+    for c in catalog.resume_checks:
+        say(_check_line(c, catalog))
     for p in catalog.journal_problems:
         say(f"warning: journal: {p}", error=True)
     if catalog.failures:
         last = catalog.failures[-1]
         say(f"{len(catalog.failures)} failed save(s); last: {last.get('error', '?')}", error=True)
+    for off in catalog.checkpointing_off:
+        say(
+            f"zero-code checkpointing turned itself off at step {off.get('step')} ({off.get('utc', '?')}): "
+            f"{off.get('why', '?')}; that run trained on without checkpoints",
+            error=True,
+        )
+    for io in catalog.io_errors:
+        say(f"writing the {io.get('what')} failed ({io.get('utc', '?')}): {io.get('error', '?')}", error=True)
     if remote_view is not None:
         say(_remote_line(remote_view))
+
+
+def _checked_cell(utc: str | None, how: str | None) -> str:
+    """The oldest blob check as ``12-06 01:57`` (``written`` when never re-hashed since)."""
+    if utc is None:
+        return "-"
+    short = utc[5:16].replace("T", " ")
+    return short if how == "checked" else f"{short} written"
+
+
+def _check_line(c: dict[str, object], catalog: object) -> str:
+    """One resume check of the journal, in words."""
+    from smartckpt_cli.ops.catalog import Catalog
+
+    assert isinstance(catalog, Catalog)
+    row = next((r for r in catalog.rows if r.id == c.get("id")), None)
+    frm = f"step {row.step}" if row is not None else f"checkpoint {c.get('id')}"
+    exp, got = c.get("expected") or {}, c.get("got") or {}
+    loss = ""
+    if isinstance(exp, dict) and isinstance(got, dict) and exp.get("loss") is not None:
+        loss = f" (loss {got.get('loss')} vs {exp.get('loss')})"
+    return f"resumed from {frm}: resume check at step {c.get('step')}: {c.get('verdict')}{loss}"
 
 
 def _remote_view(store: object, url: str | None) -> dict[str, object] | None:
@@ -159,7 +214,13 @@ def _render_detail(detail: object) -> None:
         + (" (rank 0's part)" if r.world_size > 1 else "")
         + f", {human(r.bytes_unique)} "
         f"unique, {human(r.bytes_shared)} shared; verified: {r.verified}"
-        + (f" ({r.verified_utc})" if r.verified_utc else ""),
+        + (f" ({r.verified_utc})" if r.verified_utc else "")
+        + (
+            f"; oldest blob check {r.blobs_checked_utc}"
+            + (" (when written; never re-hashed since)" if r.blobs_checked_how == "written" else "")
+            if r.blobs_checked_utc
+            else ""
+        ),
         markup=False,
     )
     console.print("objects: " + ", ".join(f"{n} ({k})" for n, k in detail.objects.items()), markup=False)

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, say
+from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, open_checkpoints, say
 
 __all__ = ["Axis", "plot"]
 
@@ -92,6 +92,7 @@ def plot(
     \b
     Exit codes:
       0  written (or printed)
+      1  DIR holds run records of smartckpt run but no checkpoint
       2  bad input: not a store, no such run, steps outside the trace, a bad -o name,
          matplotlib missing
     """
@@ -107,6 +108,7 @@ def plot(
         matplotlib()  # fail now, in one line, not after reading a week of traces
     span = parse_steps(steps) if steps is not None else None
     started = time.monotonic()
+    open_checkpoints(directory, meta_dir)  # run records but no store: say so (exit 1)
     facts = load_store(directory, meta_dir)
     # The run's settings, for the budget line and the score's threshold: those its run record
     # kept, unless --config names a file; else the settings here (file, environment).

@@ -118,12 +118,11 @@ def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:
     from smartckpt_cli.errors import StoreLockedError
     from smartckpt_cli.remote.check import REMOTE_LOCK, connect, prune_remote
     from smartckpt_cli.store.directory import StoreDir
-    from smartckpt_cli.store.storage.local import file_lock
 
     assert isinstance(store, StoreDir)
     rem, journal, _ = connect(url)
     try:
-        with file_lock(store.meta_root / REMOTE_LOCK, blocking=False):
+        with store.lock(REMOTE_LOCK, blocking=False):
             return prune_remote(rem, journal, keep, dry_run=dry_run, why=f"smartckpt prune --keep {keep}")
     except BlockingIOError:
         raise StoreLockedError(

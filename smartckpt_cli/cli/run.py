@@ -7,7 +7,9 @@ thread (it owns the signal handlers); the panel refreshes from rich's own thread
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -21,7 +23,8 @@ from rich.table import Table
 from smartckpt_cli.config import load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
-from smartckpt_cli.supervise.runstate import RunOptions, RunState
+from smartckpt_cli.supervise.records import AttemptRecord
+from smartckpt_cli.supervise.runstate import RunOptions, RunState, trouble_text
 from smartckpt_cli.supervise.supervisor import Supervisor
 
 __all__ = ["run_command"]
@@ -55,12 +58,17 @@ def _status(st: RunState, meta_root: Path | None = None) -> str:
         parts.append(f"step {st.step}")
     if st.loss is not None:
         parts.append(f"loss {st.loss:.4g}")
+    if st.child_state not in ("", "training", "done"):  # waiting for the remote, saving, restoring
+        parts.append(st.child_state)
     if st.checkpoint_step:
         age = time.time() - (st.checkpoint_seen or time.time())
         parts.append(f"checkpoint {st.checkpoint_step} ({age:.0f}s ago)")
     remote = _remote_cell(meta_root)
     if remote:
         parts.append(f"remote: {remote}")
+    trouble = trouble_text(st)
+    if trouble:
+        parts.append(f"PROBLEM: {trouble}")
     parts.append(st.usage.line())
     return ", ".join(parts)
 
@@ -86,13 +94,23 @@ def _panel(st: RunState, meta_root: Path | None = None) -> Table:
     remote = _remote_cell(meta_root)
     if remote:
         t.add_row("remote", remote)
+    trouble = trouble_text(st)
+    if trouble:
+        t.add_row("problem", trouble, style="bold red")
     t.add_row("hang timeout", f"{st.hang_timeout:.0f} s" if st.hang_timeout else "off")
     t.add_row("resources", st.usage.line())
     t.add_row("wall", f"{time.time() - st.started:.0f} s")
     return t
 
 
-def run_command(args: list[str], overrides: dict[str, Any], config: Path | None, every: str | None) -> int:
+def run_command(
+    args: list[str],
+    overrides: dict[str, Any],
+    config: Path | None,
+    every: str | None,
+    *,
+    resume_finished: bool = False,
+) -> int:
     if not args:
         raise ConfigError("no command: give a script (smartckpt run train.py) or -- CMD ...")
     if every is not None:
@@ -115,13 +133,14 @@ def run_command(args: list[str], overrides: dict[str, Any], config: Path | None,
         if tty:
             console.print(f"smartckpt: {msg}", style=style, markup=False)
         else:
-            (err_console if level in ("warning", "error") else console).print(
-                f"smartckpt: {msg}", markup=False
-            )
+            out = err_console if level in ("warning", "error") else console
+            out.print(f"{_fresh_line(out.file)}smartckpt: {msg}", markup=False)
 
     # On a terminal the child's output comes through us, printed above the live panel.
     output = (lambda line: console.print(line, markup=False, highlight=False)) if tty else None
-    sup = Supervisor(RunOptions(command, settings, sources, output=output), say)
+    sup = Supervisor(
+        RunOptions(command, settings, sources, output=output, resume_finished=resume_finished), say
+    )
     meta_root = Path(settings.meta_dir or settings.dir) if settings.remote else None
     stop = threading.Event()
     if tty:
@@ -142,7 +161,8 @@ def run_command(args: list[str], overrides: dict[str, Any], config: Path | None,
             code = sup.run()
         finally:
             stop.set()
-    _summary(sup, console)
+    if sup.record.attempts:  # nothing ran when the training had finished already
+        _summary(sup, console)
     return code
 
 
@@ -151,7 +171,25 @@ def _ticker(
 ) -> None:
     while not stop.wait(every):
         if st.phase == "running":
-            console.print(f"smartckpt: {_status(st, meta_root)}", markup=False)
+            console.print(f"{_fresh_line(console.file)}smartckpt: {_status(st, meta_root)}", markup=False)
+
+
+def _fresh_line(stream: Any) -> str:
+    """A newline when the file this line goes to does not end with one: the child writes to the
+    same file (a SLURM log), and a progress bar (tqdm) leaves its line open, ending in a carriage
+    return's bar; a status line must not be appended to it. Only a regular file can be looked at
+    (its last byte); a pipe or a terminal gets nothing."""
+    try:
+        stream.flush()
+        fd = stream.fileno()
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return ""
+        with open(f"/proc/self/fd/{fd}", "rb") as f:  # the same file, opened for reading
+            f.seek(st.st_size - 1)
+            return "" if f.read(1) == b"\n" else "\n"
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _summary(sup: Supervisor, console: Console) -> None:
@@ -163,11 +201,41 @@ def _summary(sup: Supervisor, console: Console) -> None:
         f"{data['steps_lost']} step(s) and {data['seconds_lost']:.1f} s lost",
         markup=False,
     )
-    for a in rec.attempts[:-1] if rec.outcome != "failed" else rec.attempts:
-        lost = f"{a.steps_lost} steps" if a.steps_lost is not None else "? steps"
+    if (
+        rec.restarts
+        or rec.outcome != "finished"
+        or any(a.began_again or a.resume_check for a in rec.attempts)
+    ):
+        for a in rec.attempts:
+            console.print(f"smartckpt:   {_attempt_line(a)}", markup=False)
+    if not rec.checkpoints_taken and any(a.no_optimizer for a in rec.attempts):
         console.print(
-            f"smartckpt:   attempt {a.attempt}: {a.cause}; reached step {a.max_step}, restarted from "
-            f"{a.restart_from}; lost {lost}, {a.seconds_lost or 0:.1f} s",
+            "smartckpt:   no checkpoint: the training never stepped a torch.optim optimizer (zero-code "
+            "checkpointing needs one; for a hand-written update, use a CheckpointManager)",
             markup=False,
         )
     console.print(f"smartckpt: run record: {rec.path()}", markup=False)
+
+
+def _attempt_line(a: AttemptRecord) -> str:
+    """One attempt, in words (never a raw None)."""
+    if a.start_step is None:
+        began = "began at an unreported step"
+    elif a.restored_from is not None:
+        began = f"resumed at step {a.start_step} (restored from {a.restored_from})"
+    elif a.began_again:
+        began = f"began again at step 0 ({a.began_again})"
+    else:
+        began = f"began at step {a.start_step}"
+    at = f" at step {a.max_step}" if a.max_step is not None else " before its first step"
+    end = f"finished{at}" if a.category == "done" else f"{a.cause or 'ended'}{at}"
+    line = f"attempt {a.attempt}: {began}; {end}"
+    if a.restart_from is not None:
+        lost = f"{a.steps_lost} step(s)" if a.steps_lost is not None else "an unknown number of steps"
+        line += (
+            f"; lost {lost}, {a.seconds_lost or 0:.1f} s (the next attempt began at step {a.restart_from})"
+        )
+    check = a.resume_check
+    if check:
+        line += f"; resume check at step {check.get('step')}: {check.get('verdict')}"
+    return line

@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, progress_bar, say
+from smartckpt_cli.cli._shared import (
+    DirArg,
+    MetaDirOpt,
+    RemoteOpt,
+    human,
+    open_checkpoints,
+    progress_bar,
+    say,
+)
 
 __all__ = ["verify"]
 
@@ -57,17 +65,17 @@ def verify(
     Exit codes:
       0  every checked checkpoint is sound (or there is none)
       1  a checkpoint is corrupt (locally or remotely), the journal has a torn/damaged
-         line, or the remote is unreachable
+         line, the remote is unreachable, or DIR holds run records of smartckpt run
+         but no checkpoint
       2  bad input: not a store, no such step, --step with --all
     """
     from smartckpt_cli.errors import UsageError
     from smartckpt_cli.ops.verify import record_results
     from smartckpt_cli.ops.verify import verify as run_verify
-    from smartckpt_cli.store.directory import open_store
 
     if step is not None and all_:
         raise UsageError("--step and --all exclude each other")
-    store = open_store(directory, meta_dir)
+    store = open_checkpoints(directory, meta_dir)
     with progress_bar("verifying") as progress:
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
     if record:

@@ -23,7 +23,7 @@ says otherwise; the collectives of several ranks would hang otherwise):
    every rank take the blocking save. One process answers at once. ``hooks_may_save``: whether
    the evaluation and a save before the update may run in the optimizer pre-hook (one process
    only: no collective may run in a hook);
-4. per save (background save thread, all ranks): ``persist(persister, snap, gc_lock)``, then
+4. per save (background save thread, all ranks): ``persist(persister, snap, hold_gc)`` (``hold_gc()``: the store's ``gc.lock``, shared, for the whole save), then
    ``leads`` (the leader prunes the journal and journals a failed save) and
    ``collects_garbage()`` (the lowest rank of each disk);
 5. restore (training thread, all ranks): ``load(store, record, ...)`` reads this rank's part,
@@ -36,10 +36,12 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from smartckpt_cli import errors
 from smartckpt_cli.engine import distributed
 from smartckpt_cli.engine.cadence import decide_gap
 from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
@@ -50,8 +52,11 @@ from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
-from smartckpt_cli.store.storage.local import file_lock
 from smartckpt_cli.trigger.policies import Decision
+
+# Holds the store's gc.lock shared while a save writes, so garbage collection never takes its
+# blobs for garbage (store/retention.py).
+GcHold = Callable[[], AbstractContextManager[Any]]
 
 __all__ = ["NO", "Coordinator", "Proposal", "Ranks", "SingleProcess", "Verdict", "make_coordinator"]
 
@@ -109,7 +114,7 @@ class Coordinator(Protocol):
 
     def agree_to_save(self, p: Proposal) -> Verdict: ...
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo: ...
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo: ...
 
     def collects_garbage(self) -> bool: ...
 
@@ -147,8 +152,8 @@ class SingleProcess:
             return Verdict(NO, signum, None, skipped=True)
         return Verdict(p.decision, signum, p.wish)
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
-        with file_lock(gc_lock, shared=True):
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo:
+        with hold_gc():
             return persister.persist(snap)
 
     def collects_garbage(self) -> bool:
@@ -163,7 +168,7 @@ class SingleProcess:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
-        if distributed.needs_reshard(record.event, 1):
+        if distributed.needs_reshard(record, 1):
             return _resharded(store, record, store_id, 0, 1, skip_corrupt_l2)
         return load_checkpoint(
             store.storage, store.blobs, record, store_id, skip_corrupt_l2=skip_corrupt_l2, workers=workers
@@ -207,7 +212,7 @@ class Ranks:
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
         self.dir_id = dir_id  # this rank's disk
-        self.dirs: list[str] = []  # every rank's disk id, learnt at the first save
+        self._gc = False  # this rank collects its disk's garbage (learnt at the first save)
         self._point = 0  # the next agreed decision step
         self._decide_cost = 0.0  # what the collective costs (smoothed)
         self._urgent = False  # this rank's memory needs a save (sent at the next decision step)
@@ -227,9 +232,15 @@ class Ranks:
                 opened = open_store()
             except BaseException as err:
                 opened = err
-        shared = self.comm.broadcast(opened if isinstance(opened, str) else f"rank 0: {opened}")
-        if not isinstance(opened, BaseException) and shared.startswith("rank 0: "):
-            raise SmartckptError(shared)  # every rank fails the same way, none waits forever
+        kind = type(opened).__name__ if isinstance(opened, SmartckptError) else "SmartckptError"
+        shared = self.comm.broadcast(opened if isinstance(opened, str) else (kind, f"rank 0: {opened}"))
+        if not isinstance(opened, BaseException) and not isinstance(shared, str):
+            # every rank fails the same way (the same class: a refused start stops every rank
+            # with smartckpt run's exit code 5), none waits forever
+            cls = getattr(errors, shared[0], SmartckptError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, SmartckptError) else SmartckptError)(
+                shared[1]
+            )
         distributed.guard_destroy(owner)
         if isinstance(opened, BaseException):
             raise opened
@@ -270,13 +281,13 @@ class Ranks:
         self._urgent = False
         return Verdict(chosen, None, None, spacing=spacing, agreed=True)
 
-    def persist(self, persister: Persister, snap: Snapshot, gc_lock: Path) -> CommitInfo:
-        info, self.dirs = persist_distributed(persister, snap, self.comm, self.dir_id, gc_lock)
+    def persist(self, persister: Persister, snap: Snapshot, hold_gc: GcHold) -> CommitInfo:
+        info, self._gc = persist_distributed(persister, snap, self.comm, self.dir_id, hold_gc)
         return info
 
     def collects_garbage(self) -> bool:
         """The lowest rank of every disk collects that disk's garbage (node-local dirs included)."""
-        return self.rank in distributed.dir_leaders(self.dirs)
+        return self._gc
 
     def load(
         self,
@@ -287,7 +298,7 @@ class Ranks:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
-        if distributed.needs_reshard(record.event, self.world):
+        if distributed.needs_reshard(record, self.world):
             return _resharded(store, record, store_id, self.rank, self.world, skip_corrupt_l2)
         return load_part(
             store.storage,
@@ -331,12 +342,12 @@ def _resharded(
     return loaded
 
 
-def make_coordinator(setting: str, root: Path) -> Coordinator:
+def make_coordinator(setting: str, root: Path, timeout: float | None = None) -> Coordinator:
     """The coordinator of this process: :class:`Ranks` in a multi-rank ``torch.distributed``
     world (``setting``: the ``distributed`` setting, ``auto`` or ``off``), else
     :class:`SingleProcess`. A remote tier works with either (remote/parts.py: each rank uploads
     its own part, rank 0 commits the step once every part is remote)."""
-    comm = distributed.detect(setting)
+    comm = distributed.detect(setting, timeout)
     if comm is None:
         return SingleProcess()
     return Ranks(comm, distributed.dir_id(root))

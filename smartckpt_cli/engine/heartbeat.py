@@ -27,6 +27,7 @@ __all__ = [
     "register_exit",
     "run_dir",
     "set_done_at_exit",
+    "trouble",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,16 @@ def last_step(step: int) -> None:
     w = _heart()
     if w is not None and step > w.step:
         w.step = step
+
+
+def trouble(name: str, on: bool) -> None:
+    """Set (or clear) a trouble flag of the protocol (``SAVE_FAILING``, ``IO_FAILING``,
+    ``CHECKPOINTING_OFF``) in this process's heartbeat, at once; nothing outside ``smartckpt run``."""
+    w = _heart()
+    if w is not None:
+        flag = getattr(protocol(), name)
+        if bool(w.trouble & flag) != on:
+            w.beat(trouble=(flag, on))
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,22 +40,26 @@ from typing import Any
 import torch
 
 from smartckpt_cli.config import Settings, load_settings
-from smartckpt_cli.engine import heartbeat
+from smartckpt_cli.engine import ddp_layout, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
-from smartckpt_cli.engine.restore import Loaded
+from smartckpt_cli.engine.report import report
+from smartckpt_cli.engine.restore import Loaded, same_lineage
+from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.store.directory import StoreDir, open_store
+from smartckpt_cli.store.scrub import Scrubber, ScrubBook
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
@@ -128,7 +133,7 @@ class CheckpointManager(StepPath, SavePath):
         # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
         # lock and the journal, the others follow it. Restores look in the local store, or in
         # the remote tier too, which also hears of every commit (observers.py).
-        self._coord = make_coordinator(s.distributed, self.store.root)
+        self._coord = make_coordinator(s.distributed, self.store.root, s.rank_timeout)
         self._source: CheckpointSource = LocalSource()
         self._observers: list[CommitObserver] = []
         self._pruned_seen = 0
@@ -136,6 +141,7 @@ class CheckpointManager(StepPath, SavePath):
         def open_as_writer() -> str:
             self._lock.acquire()
             try:
+                self.store.refuse_unsafe_layout()  # a folder symlinked outside: never written to
                 self._source, self._observers = open_tiers(s, self.store, 0, self._coord.world)
                 return self.store.ensure_journal(self._source.adopted_store_id)
             except BaseException:
@@ -168,7 +174,11 @@ class CheckpointManager(StepPath, SavePath):
         # Whether step() beats the heartbeat of `smartckpt run`; zero-code mode beats from its own
         # optimizer hook, one step ahead of the manager, and turns this off.
         self.heartbeat = True
-        self._trace = TraceWriter(self.store.meta_root)
+        self._trace = TraceWriter(
+            self.store.meta_root,
+            on_error=lambda err: self._io_event("trace", err),
+            on_recovered=lambda: self._io_event("trace", None),
+        )
         self._preempt = PreemptionWatch(s.signal_names, usr_continue=s.usr_continue)
         self._last_step = 0
         self._last_loss: torch.Tensor | float | None = None
@@ -179,6 +189,7 @@ class CheckpointManager(StepPath, SavePath):
         self._pre_reading: SignalReading | None = None
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
+        self._precursor_refused: set[str] = set()
         # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
         self._cost = SaveCost()
         self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}
@@ -196,6 +207,7 @@ class CheckpointManager(StepPath, SavePath):
             workers=s.n_workers,
             nice=s.background_nice,
         )
+        self._persister.scrub = Scrubber(ScrubBook(self.store.meta, self._coord.rank))
         self._saver = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="smartckpt-save",
@@ -206,6 +218,7 @@ class CheckpointManager(StepPath, SavePath):
         self._meta = base_meta()
         self._stats = SaveStats()
         self._stats_lock = threading.Lock()
+        self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
         # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
         # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
         self._committed: tuple[int | None, float] = (None, time.monotonic())
@@ -213,6 +226,19 @@ class CheckpointManager(StepPath, SavePath):
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
+        # Why the steps after the last restore may not be bit-exact with an uninterrupted run
+        # (one line each, also logged; ddp_layout.py); empty when nothing is known to differ.
+        self.resume_limits: list[str] = []
+        # Checkpoints continue the lineage of the one restored; a manager that restored nothing
+        # starts a new one, so a run that began again at step 0 never passes for the
+        # continuation of the checkpoints before it (inspect tells them apart, restore never
+        # falls back from one into another).
+        self.lineage: str | None = uuid.uuid4().hex[:12]
+        self._restored_from: str | None = None  # "disk" | "remote": where the last read came from
+        # The resume check (resumecheck.py): armed for the step after a save or a restore; zero-
+        # code mode hands the loss of the step being updated (``_pre_update``) before step().
+        self._check = ResumeCheck()
+        self._ahead: tuple[int, Any, Any, Any] | None = None  # (step, loss, scale, optimizer)
         for observer in self._observers:
             observer.on_start(self.store_id)
 
@@ -305,15 +331,43 @@ class CheckpointManager(StepPath, SavePath):
             )
 
         # The newest candidate that verifies (several ranks: on every rank); a local copy that
-        # fails is repaired from the remote tier when there is one.
-        order = self._source.order(state, include_unhealthy=include_unhealthy)
-        return self._coord.restore(order, lambda cand: self._source.load(cand, read_part), self.store.root)
+        # fails is repaired from the remote tier when there is one. Only the newest lineage:
+        # falling back into an older one would resume another run's training as if it were this.
+        every = self._source.order(state, include_unhealthy=include_unhealthy)
+        order = same_lineage(every)
+        where: dict[str, str] = {}
+
+        def load(cand: Any) -> Loaded:
+            got = self._source.load(cand, read_part)
+            where[got.record.id] = "remote" if getattr(cand, "where", "local") == "remote" else "disk"
+            return got
+
+        try:
+            loaded = self._coord.restore(order, load, self.store.root)
+        except NoCheckpointError as err:
+            older = [c.record.step for c in every if c not in order]
+            if not older:
+                raise
+            raise NoCheckpointError(
+                f"{err}; {len(older)} older checkpoint(s) (newest step {older[0]}) belong to another "
+                "lineage, a training that began again at step 0 after them: not restored in its place "
+                "(smartckpt inspect shows the lineages)"
+            ) from None
+        if loaded is None:
+            report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
+        else:
+            self._restored_from = where.get(loaded.record.id, "disk")
+        return loaded
 
     def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
         """Load ``loaded`` (from :meth:`read`) into the registered objects, all of them or those
         ``names``; returns its step. The manager counts from that step on."""
         objects = self._objects if names is None else {n: self._objects[n] for n in names}
         apply_checkpoint(loaded, objects)
+        if loaded.manifest.get("resharded_from") is None:  # same world size: bit-exact (ddp_layout.py)
+            meta = loaded.manifest.get("meta", {}).get(ddp_layout.DDP_META)
+            where = (self._coord.world, self._coord.rank)
+            self.resume_limits = ddp_layout.restore(meta, objects, *where, int(loaded.record.step))
         if self.last_restore is not loaded.manifest:
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest
@@ -326,7 +380,71 @@ class CheckpointManager(StepPath, SavePath):
             self._clock.skip()
             self._uncalm()
             logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
+            self._resumed(loaded)
         return int(loaded.record.step)
+
+    def _resumed(self, loaded: Loaded) -> None:
+        """After a restore: continue its lineage, arm the resume check for the next step, and
+        tell ``smartckpt run`` where the loop begins."""
+        rec = loaded.record
+        lineage = rec.event.get("lineage")
+        self.lineage = str(lineage) if lineage else None  # None: checkpoints from before lineages
+        on_cpu = all(t.device.type == "cpu" for t in self._some_tensors())
+        restored = {
+            "id": rec.id,
+            "step": rec.step,
+            # the journal's values are rank 0's (it alone writes them): the other ranks compare
+            # only what their own part's manifest holds
+            "expected": expected_of(
+                loaded.manifest, rec.id, self._journal_events if self._coord.leads else list
+            ),
+            "rtol": tolerance(on_cpu_only=on_cpu, deterministic=torch.are_deterministic_algorithms_enabled()),
+        }
+        if restored["expected"] is None and not self._coord.leads:
+            restored["skip"] = "rank 0 alone recorded the step after this checkpoint (in the journal)"
+        if loaded.manifest.get("resharded_from") is not None:
+            # another world size: every rank trains on other batches than before, by design
+            restored["skip"] = (
+                f"resumed at another world size (from {loaded.manifest['resharded_from']} ranks)"
+            )
+        self._check.check(int(rec.step) + 1, restored)
+        report(
+            start_step=int(rec.step),
+            restored_from=self._restored_from or "disk",
+            checkpoint=rec.id,
+            lineage=self.lineage,
+        )
+
+    def _some_tensors(self) -> list[torch.Tensor]:
+        """A parameter of every registered module and optimizer: where the training runs."""
+        out = []
+        for kind, obj in self._objects.values():
+            if kind == OPTIMIZER:
+                out += [p for g in obj.param_groups for p in g["params"][:1]]
+            elif kind == "module":
+                mod = getattr(obj, "module", obj)  # zero-code wraps its modules
+                out += list(mod.parameters())[:1] if isinstance(mod, torch.nn.Module) else []
+        return out
+
+    def _journal_events(self) -> list[dict[str, Any]]:
+        try:
+            return self.store.journal.read_events()[1]
+        except Exception as err:  # the check goes without; the restore stands
+            logger.debug("journal unreadable for the resume check: %s", err)
+            return []
+
+    def _pre_update(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
+        """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
+        loss of ``step`` is known before its update. A save of ``step - 1`` taken before
+        :meth:`_pre_update_done` (the post-hook of ``step``) records it with the checkpoint, a
+        precursor save included; after a restore it is checked."""
+        self._ahead = (step, loss, loss_scale, optimizer)
+        if self._check.step == step and self._check.restored is not None:
+            self._check.grads(optimizer)
+            self._take_check(step, loss, loss_scale)
+
+    def _pre_update_done(self) -> None:
+        self._ahead = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -340,6 +458,22 @@ class CheckpointManager(StepPath, SavePath):
         with self._stats_lock:
             return list(self._stats.skipped)
 
+    def _io_event(self, what: str, err: OSError | None) -> None:
+        """A write on the loop's path (the trace) that failed, or works again: one journal line
+        each, when the journal can be written (the log has it either way); never raises."""
+        event: dict[str, Any] = {"event": "io_error" if err else "io_ok", "what": what}
+        if err is not None:
+            event["error"] = f"{type(err).__name__}: {err}"[:300]
+        heartbeat.trouble("IO_FAILING", err is not None)
+        report(io_error={"what": what, "error": event["error"]} if err is not None else None)
+        if self._coord.leads:
+            self._journal_event(event)
+
+    def record_event(self, event: dict[str, Any]) -> None:
+        """An event of the training into the journal (kept until the journal can take it, never
+        raises): zero-code mode says there why it turned itself off."""
+        self._journal_event(dict(event))
+
     def close(self) -> list[str]:
         """Wait for the save in flight, stop the background threads, release the store.
         Returns the failures of background saves (also logged)."""
@@ -349,6 +483,8 @@ class CheckpointManager(StepPath, SavePath):
         try:
             with heartbeat.heartbeat_state("SAVING"):
                 self.wait()
+                if self._unjournalled:
+                    self._journal_event()  # failures the journal could not take when they happened
                 for observer in self._observers:
                     observer.on_close()
         finally:

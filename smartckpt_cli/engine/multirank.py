@@ -2,21 +2,25 @@
 
 Save, on the background thread of every rank (:func:`persist_distributed`):
 
-1. every rank hashes its staged entries and all ranks exchange the digests and their disk ids
-   (``<dir>/dir.id``); an entry identical to one of a lower rank on the same disk is not written
-   again, the part manifest records ``{"ref": owner}`` (replicated DDP state is written once);
+1. every rank hashes its staged entries and sends rank 0 one short hash per entry and its disk id
+   (``<dir>/dir.id``); rank 0 plans (:func:`.distributed.plan_refs`) and sends each rank its own
+   plan: the checkpoint id, which of its entries a lower rank on the same disk holds identically
+   (not written again: the part manifest records ``{"ref": owner}``, so replicated DDP state is
+   written once per disk), and whether it collects that disk's garbage;
 2. every rank writes its blobs and its *part* manifest (``manifests/<step>-<id>-r<rank>.json``),
    durable, under the shared ``gc.lock``;
-3. every rank reports durable or failed; rank 0 appends the journal ``commit`` line, naming
-   ``world_size`` and every part (manifest, hash, disk id), only when all reported durable;
+3. every rank reports durable or failed to rank 0, which appends the journal ``commit`` line,
+   naming ``world_size`` and every part (manifest, hash, disk id), only when all reported durable;
 4. rank 0 tells every rank whether it committed.
 
-Every rank makes every collective even when its own write failed, so a failed rank means "no
-commit" on all ranks, never a hang.
+Four exchanges, each through rank 0: a rank sends and receives the same few messages per save at
+any world size, and only its own entries' hashes and plan (rank 0 handles one message per rank
+per exchange). Every rank makes every exchange even when its own write failed, so a failed rank
+means "no commit" on all ranks, never a hang.
 
 Restore (:func:`restore_distributed`): rank 0 lists the candidates; for each, every rank loads and
-verifies its own part (resolving refs through the owner's part) and all ranks exchange verdicts;
-the first step every rank can load is the one all ranks apply. A rank that cannot load its part
+verifies its own part (resolving refs through the owner's part) and sends its verdict to rank 0,
+which tells every rank the outcome; the first step every rank can load is the one all ranks apply. A rank that cannot load its part
 (missing node-local disk, damage) makes all ranks fall back together, and the log says which rank
 and why.
 """
@@ -26,12 +30,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from smartckpt_cli._faults import fault_fail
-from smartckpt_cli.engine.distributed import Comm, entry_owner, part_rel
+from smartckpt_cli.engine.distributed import Comm, dir_leaders, entry_hash, part_rel, plan_refs
 from smartckpt_cli.engine.restore import Loaded, load_checkpoint, read_manifest
 from smartckpt_cli.engine.snapshot import Snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister, Written
@@ -41,15 +46,18 @@ from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import file_lock
 
-__all__ = ["NotCommitted", "persist_distributed", "restore_distributed"]
+__all__ = ["NotCommitted", "RankFailed", "persist_distributed", "restore_distributed"]
 
 logger = logging.getLogger(__name__)
 
 
 class NotCommitted(SmartckptError):
     """A multi-rank save in which some rank's part did not become durable."""
+
+
+class RankFailed(SmartckptError):
+    """One rank's error, raised on every rank (it names the rank and the error)."""
 
 
 def _digest(item: Any) -> str:
@@ -59,44 +67,41 @@ def _digest(item: Any) -> str:
 
 
 def persist_distributed(
-    p: Persister, snap: Snapshot, comm: Comm, dir_id: str, gc_lock: Path
-) -> tuple[CommitInfo, list[str]]:
-    """Write this rank's part and take part in the commit; returns (CommitInfo, every rank's disk
-    id). Raises :class:`NotCommitted` (or this rank's own write error) when nothing was committed."""
+    p: Persister, snap: Snapshot, comm: Comm, dir_id: str, hold_gc: Callable[[], AbstractContextManager[Any]]
+) -> tuple[CommitInfo, bool]:
+    """Write this rank's part and take part in the commit; returns (CommitInfo, whether this rank
+    collects its disk's garbage). Raises :class:`NotCommitted` (or this rank's own write error)
+    when nothing was committed."""
     t0 = time.perf_counter()
-    digests: dict[str, str] | None = None
+    hashes: list[str] | None = None
     try:
         snap.wait_ready()
-        digests = dict(zip([i.plan.key for i in snap.items], p.pool.map(_digest, snap.items), strict=True))
+        digests = p.pool.map(_digest, snap.items)
+        hashes = [entry_hash(i.plan.key, d) for i, d in zip(snap.items, digests, strict=True)]
     except Exception as err:  # still take part in the exchange: the other ranks must not wait
         logger.error("step %d: staging this rank's state failed: %s", snap.step, err)
-    first = comm.gather({"digests": digests, "dir": dir_id, "cid": uuid.uuid4().hex[:12]}, commit=True)
-    lost = [r for r, g in enumerate(first) if g["digests"] is None]
-    if lost:
+    heard = comm.to_root({"hashes": hashes, "dir": dir_id}, commit=True)
+    plan = comm.from_root(_plans(heard) if heard is not None else None, commit=True)
+    if plan.get("lost"):
         raise NotCommitted(
-            f"save of step {snap.step} not committed: rank(s) {lost} could not stage their state"
+            f"save of step {snap.step} not committed: rank(s) {plan['lost']} could not stage their state"
         )
-    cid = first[0]["cid"]
-    dirs = [g["dir"] for g in first]
-    all_digests = [g["digests"] for g in first]
-    own, refs = [], {}
-    for item in snap.items:
-        owner = entry_owner(comm.rank, item.plan.key, all_digests, dirs)
-        if owner == comm.rank:
-            own.append(item)
-        else:
-            refs[item.plan.key] = {"tier": item.plan.tier, "ref": owner}
+    cid = plan["cid"]
+    refs = {int(i): int(owner) for i, owner in plan["refs"]}
+    own = [item for i, item in enumerate(snap.items) if i not in refs]
     rel = part_rel(snap.step, cid, comm.rank)
     error: BaseException | None = None
     written: Written | None = None
     manifest_bytes = b""
-    # Taken after the digest exchange: a rank collecting garbage (exclusive) finishes before any
-    # rank can be inside this save waiting on a collective while holding the lock shared.
-    with file_lock(gc_lock, shared=True):
+    # Taken after the plan: a rank collecting garbage (exclusive) finishes before any rank can be
+    # inside this save waiting on an exchange while holding the lock shared.
+    with hold_gc():
         try:
             fault_fail("rank.write")
             written = p.write_entries(snap, own)
-            written.entries.update(refs)
+            for i, owner in refs.items():
+                item = snap.items[i]
+                written.entries[item.plan.key] = {"tier": item.plan.tier, "ref": owner}
             manifest_bytes = p.write_manifest(
                 snap, cid, rel, written, extra={"rank": comm.rank, "world_size": comm.world}
             )
@@ -109,15 +114,17 @@ def persist_distributed(
         except Exception as err:
             error = err
             verdict = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
-        verdicts = comm.gather(verdict, commit=True)
-        outcome: str | None = None
-        if comm.rank == 0:
-            outcome = _commit_on_rank0(p, snap, cid, verdicts, manifest_bytes, written)
+        verdicts = comm.to_root(verdict, commit=True)
+        outcome: dict[str, Any] | None = None
+        if verdicts is not None:  # rank 0
+            why = _commit_on_rank0(p, snap, cid, verdicts, manifest_bytes, written)
+            outcome = {"why": why, "health": _health(verdicts)}
         outcome = comm.broadcast(outcome, commit=True)
     if error is not None:
         raise error
-    if outcome is not None:
-        raise NotCommitted(f"save of step {snap.step} not committed: {outcome}")
+    assert outcome is not None
+    if outcome["why"] is not None:
+        raise NotCommitted(f"save of step {snap.step} not committed: {outcome['why']}")
     assert written is not None
     info = CommitInfo(
         snap.step,
@@ -127,9 +134,21 @@ def persist_distributed(
         written.bytes_total,
         written.bytes_raw,
         time.perf_counter() - t0,
-        _health(verdicts),
+        str(outcome["health"]),
     )
-    return info, dirs
+    return info, bool(plan["gc"])
+
+
+def _plans(heard: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's answer to every rank's hashes (module docstring, step 1)."""
+    lost = [r for r, h in enumerate(heard) if h["hashes"] is None]
+    if lost:
+        return [{"lost": lost}] * len(heard)
+    cid = uuid.uuid4().hex[:12]
+    dirs = [str(h["dir"]) for h in heard]
+    leaders = dir_leaders(dirs)
+    refs = plan_refs([h["hashes"] for h in heard], dirs)
+    return [{"cid": cid, "refs": sorted(mine.items()), "gc": r in leaders} for r, mine in enumerate(refs)]
 
 
 def _health(verdicts: list[dict[str, Any]]) -> str:
@@ -182,10 +201,12 @@ def load_part(
     workers: int,
 ) -> Loaded:
     """Load and verify ``rank``'s part of a multi-rank checkpoint (refs resolved)."""
-    parts = record.event.get("parts") or []
+    if record.invalid is not None:
+        raise CheckpointCorrupt(record.invalid, tier="L1")
+    parts = record.parts or ()
     if rank >= len(parts):
         raise CheckpointCorrupt(f"step {record.step}: no part for rank {rank}", tier="L1")
-    rel, mhash, part_dir = parts[rank]
+    rel, mhash, part_dir = parts[rank].manifest, parts[rank].manifest_hash, parts[rank].dir_id
     if part_dir != dir_id and not storage.exists(rel):
         # Written to another disk and not here: a part fetched from the remote tier is here.
         raise CheckpointCorrupt(
@@ -201,9 +222,13 @@ def load_part(
         if owner is None:
             continue
         if owner not in owners:
-            o_rel, o_hash, _ = parts[owner]
+            if owner >= len(parts):
+                raise CheckpointCorrupt(
+                    f"step {record.step}: entry {key} refers to rank {owner}, which has no part", tier="L1"
+                )
+            owned = parts[owner]
             owners[owner] = read_manifest(
-                storage, replace(record, manifest=o_rel, manifest_hash=o_hash), store_id
+                storage, replace(record, manifest=owned.manifest, manifest_hash=owned.manifest_hash), store_id
             )
         try:
             manifest["entries"][key] = owners[owner]["entries"][key]
@@ -224,7 +249,9 @@ def restore_distributed(
     """The newest of ``records`` (rank 0's list, newest first) that every rank can load; ``load``
     (record -> Loaded) loads this rank's part, resharded when the checkpoint was written at another
     world size. Returns None when there is none; raises StateMismatchError on every rank when any
-    rank's state cannot be carried (one rank refusing alone would leave the others waiting)."""
+    rank's state cannot be carried, and RankFailed on every rank when any rank's load raised
+    anything else (a MemoryError in an elastic read, a bug): one rank failing alone would leave
+    the others waiting in the next collective until its timeout."""
     ids = comm.broadcast([r.id for r in records])
     by_id = {r.id: r for r in records}
     tried: list[str] = []
@@ -236,28 +263,33 @@ def restore_distributed(
             verdict = ["corrupt", "not in this rank's view of the journal"]
         else:
             try:
+                fault_fail("rank.restore")
                 loaded = load(rec)
             except CheckpointCorrupt as err:
                 verdict = ["corrupt", str(err)]
             except StateMismatchError as err:
                 verdict = ["refused", str(err)]
-        verdicts = comm.gather(verdict)
-        refused = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None and v[0] == "refused"]
-        if refused:
-            r, why = refused[0]
+            except Exception as err:  # whatever it is, every rank hears of it at once
+                verdict = ["error", f"{type(err).__name__}: {str(err)[:300]}"]
+                logger.error("rank %d: restoring step %d failed", comm.rank, rec.step, exc_info=err)
+        verdicts = comm.to_root(verdict)
+        outcome = comm.broadcast(_restore_outcome(verdicts) if verdicts is not None else None)
+        if outcome["failed"] is not None:
+            step_name = rec.step if rec is not None else "?"
+            raise RankFailed(f"{outcome['failed']} (restoring step {step_name}); every rank stops")
+        if outcome["refused"] is not None:
+            r, why = outcome["refused"]
             raise StateMismatchError(why if r == comm.rank else f"rank {r}: {why}")
-        bad = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None]
-        if not bad:
+        if outcome["bad"] is None:
             return loaded
         step = rec.step if rec is not None else "?"
-        msg = "; ".join(f"rank {r}: {v}" for r, v in bad)
-        tried.append(msg)
+        tried.append(outcome["bad"])
         if comm.rank == 0:
             logger.warning(
                 "checkpoint of step %s cannot be loaded on every rank (%s); all %d ranks fall back "
                 "to the previous one together",
                 step,
-                msg,
+                outcome["bad"],
                 comm.world,
             )
     if tried:
@@ -265,3 +297,17 @@ def restore_distributed(
             f"no checkpoint loads on every rank ({len(tried)} tried); newest problem: {tried[0]}", tier="L1"
         )
     return None
+
+
+def _restore_outcome(verdicts: list[list[str] | None]) -> dict[str, Any]:
+    """Rank 0's reading of every rank's verdict on one candidate: any rank's error (every rank
+    stops with it), the first refusal (every rank raises it), or the problems (every rank falls
+    back), or none (every rank applies it)."""
+    failed = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None and v[0] == "error"]
+    refused = [[r, v[1]] for r, v in enumerate(verdicts) if v is not None and v[0] == "refused"]
+    bad = [(r, v[1]) for r, v in enumerate(verdicts) if v is not None]
+    return {
+        "failed": "; ".join(f"rank {r}: {why}" for r, why in failed) if failed else None,
+        "refused": refused[0] if refused else None,
+        "bad": "; ".join(f"rank {r}: {v}" for r, v in bad) if bad else None,
+    }

@@ -21,10 +21,12 @@ these two protocols.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from smartckpt_cli.config import Settings
+from smartckpt_cli.engine import heartbeat
 from smartckpt_cli.remote.fetch import Candidate
 from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.directory import StoreDir
@@ -85,5 +87,10 @@ def open_tiers(
         return LocalSource(), []
     from smartckpt_cli.remote.tier import RemoteTier
 
-    tier = RemoteTier.open(settings, store, rank, world)
+    def pause(seconds: float) -> None:
+        # waiting for the remote at start: smartckpt run shows it, and does not count it as a hang
+        with heartbeat.heartbeat_state("WAITING"):
+            time.sleep(seconds)
+
+    tier = RemoteTier.open(settings, store, rank, world, pause)
     return tier, [tier]

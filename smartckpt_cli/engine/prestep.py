@@ -11,10 +11,14 @@ buffers (BatchNorm's running statistics).
 
 :class:`Boundary` captures the first three at the boundary — a few kilobytes, and only when the
 next step evaluates the signals — and notes the version counters of the registered modules'
-buffers. At the pre-hook, :meth:`Boundary.objects` answers the registered objects with the
-captured states in place of the live ones, or None when a buffer moved (the pre-update save is
-then not taken; the alarm waits for the step boundary). Other registered objects are read as
-they are at the pre-hook: one that changes during forward is not covered.
+buffers and of every registered optimizer's parameters. At the pre-hook, :meth:`Boundary.objects`
+answers the registered objects with the captured states in place of the live ones, or None when
+a buffer moved or a parameter did: with several optimizers the save is decided in the last one's
+pre-hook, and when an earlier one has already stepped (an encoder and a head each with its Adam,
+a GAN's two) its parameters and moments are no longer those of the boundary. The pre-update save
+is then not taken (:attr:`Boundary.why_not` says why, logged once) and the alarm waits for the
+step boundary. Other registered objects are read as they are at the pre-hook: one that changes
+during forward is not covered.
 
 In zero-code mode the manager's step boundary is itself called from the next step's pre-hook
 (zerocode.py records the RNG, data and buffers at the post-hook before it), so there, as for its
@@ -79,6 +83,8 @@ class Boundary:
         self._states: dict[str, Any] = {}
         self._groups: dict[str, list[dict[str, Any]]] = {}
         self._versions: list[tuple[torch.Tensor, int]] = []
+        self._params: list[tuple[str, torch.Tensor, int]] = []  # (optimizer name, parameter, version)
+        self.why_not: str | None = None  # why the last objects() answered None
 
     def capture(self, step: int, objects: dict[str, tuple[str, Any]]) -> None:
         """At the boundary after ``step``: the states a pre-update save of ``step`` needs."""
@@ -91,15 +97,36 @@ class Boundary:
             if kind == "module" and isinstance(obj, torch.nn.Module)
             for b in obj.buffers()
         ]
+        self._params = [
+            (name, p, p._version)
+            for name, (kind, obj) in objects.items()
+            if kind == "optimizer"
+            for g in obj.param_groups
+            for p in g["params"]
+            if isinstance(p, torch.Tensor)
+        ]
 
     def clear(self) -> None:
         self.step = None
-        self._states, self._groups, self._versions = {}, {}, []
+        self._states, self._groups, self._versions, self._params = {}, {}, [], []
 
     def objects(self, objects: dict[str, tuple[str, Any]]) -> dict[str, tuple[str, Any]] | None:
-        """``objects`` as at the boundary, or None when nothing was captured, a buffer moved or
-        an optimizer's param groups were added since."""
-        if self.step is None or any(b._version != v for b, v in self._versions):
+        """``objects`` as at the boundary, or None when nothing was captured, a buffer moved, an
+        optimizer already stepped (several optimizers) or its param groups were added since;
+        :attr:`why_not` then says which."""
+        self.why_not = None
+        if self.step is None:
+            self.why_not = "no boundary was captured"
+            return None
+        if any(b._version != v for b, v in self._versions):
+            self.why_not = "a buffer changed during forward (BatchNorm statistics, ...)"
+            return None
+        moved = next((name for name, p, v in self._params if p._version != v), None)
+        if moved is not None:
+            self.why_not = (
+                f"optimizer {moved!r} already stepped in this iteration (several optimizers step one "
+                "after another; the save before the update is decided after the last one's gradients)"
+            )
             return None
         out: dict[str, tuple[str, Any]] = {}
         for name, (kind, obj) in objects.items():
@@ -107,6 +134,7 @@ class Boundary:
                 obj = _Frozen(self._states[name], obj)
             elif name in self._groups:
                 if len(self._groups[name]) != len(obj.param_groups):
+                    self.why_not = f"optimizer {name!r} gained a param group"
                     return None
                 obj = _BoundaryOptimizer(obj, self._groups[name])
             out[name] = (kind, obj)

@@ -78,7 +78,7 @@ class ReshardReport:
 
 def part_count(record: CheckpointRecord) -> int:
     """How many ranks wrote ``record`` (1 for a single-process checkpoint)."""
-    return max(1, len(record.event.get("parts") or []))
+    return record.world_size
 
 
 def derived_seed(step: int, rank: int, base: bytes) -> int:
@@ -114,11 +114,18 @@ class _Parts:
 
     def __init__(self, storage: Storage, record: CheckpointRecord, store_id: str | None) -> None:
         self.storage, self.record, self.store_id = storage, record, store_id
-        parts = record.event.get("parts") or [[record.manifest, record.manifest_hash, None]]
-        self.parts: list[list[Any]] = [list(p) for p in parts]
+        self.parts: list[list[Any]] = (
+            [[p.manifest, p.manifest_hash, p.dir_id] for p in record.parts]
+            if record.parts
+            else [[record.manifest, record.manifest_hash, None]]
+        )
         self._raw: dict[int, dict[str, Any]] = {}
 
     def _read(self, q: int) -> dict[str, Any]:
+        if not 0 <= q < len(self.parts):
+            raise CheckpointCorrupt(
+                f"step {self.record.step}: an entry refers to rank {q}, which has no part"
+            )
         if q not in self._raw:
             rel, mhash = self.parts[q][0], self.parts[q][1]
             try:

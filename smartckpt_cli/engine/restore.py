@@ -1,6 +1,6 @@
 """Pick the newest committed checkpoint that verifies, and load it.
 
-Selection is pure (:func:`candidates`); :func:`load_checkpoint` reads and verifies one checkpoint
+Selection is pure (:func:`candidates`, :func:`same_lineage`); :func:`load_checkpoint` reads and verifies one checkpoint
 completely into memory (decoded bytes = the manifest's raw hash; a blob's own hash only names a
 fault) before anything is loaded into the training objects, so a failure never leaves a half-restored model.
 """
@@ -31,9 +31,21 @@ __all__ = [
     "decode_rows",
     "load_checkpoint",
     "read_manifest",
+    "same_lineage",
 ]  # the two are re-exported
 
 logger = logging.getLogger(__name__)
+
+
+def same_lineage(order: list[Any]) -> list[Any]:
+    """Pure: the candidates (each with a ``.record``, newest first) of the newest one's lineage.
+    A run that began again at step 0 starts a lineage of its own (the commit line's ``lineage``;
+    none on checkpoints written before lineages existed): a restore falls back to an earlier
+    checkpoint of the same training, never into another one's."""
+    if not order:
+        return order
+    first = order[0].record.event.get("lineage")
+    return [c for c in order if c.record.event.get("lineage") == first]
 
 
 def _read_stream(blobs: BlobStore, stream: dict[str, Any], out: np.ndarray, itemsize: int, key: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,14 +28,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from smartckpt_cli.config import Settings
-from smartckpt_cli.engine import distributed, heartbeat
+from smartckpt_cli.engine import ddp_layout, distributed, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.report import report
+from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
-from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.errors import UnsupportedValueError
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.trigger.cost import SaveCost
@@ -71,14 +74,24 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future is None or self._future.done()
 
+    @classmethod
+    def failed(cls, step: int, err: BaseException) -> SaveHandle:
+        """A save that failed before it reached the save thread (the snapshot itself)."""
+        future: Future[CommitInfo] = Future()
+        future.set_exception(err)
+        return cls(step, future)
+
     def wait(self, timeout: float | None = None) -> CommitInfo | None:
+        """The commit, or None when the save failed: whatever the failure (an I/O error, a
+        ``state_dict()`` that raises, a codec error), it is recorded where it happened
+        (``SavePath._save_failed``) and never raised here, in the training loop."""
         if self._future is None:
             return None
         try:
             return self._future.result(timeout)
-        except SmartckptError:
-            return None
-        except OSError:
+        except TimeoutError:
+            raise
+        except Exception:
             return None
 
     @property
@@ -95,6 +108,13 @@ class SaveStats:
     failures: list[str] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     commits: int = 0
+    causes: dict[str, int] = field(default_factory=dict)  # each distinct cause, how often
+
+
+def failure_cause(err: BaseException) -> str:
+    """What makes two failures the same (logged once): the exception's type and message with
+    numbers (steps, sizes, pids) and hex ids blanked."""
+    return re.sub(r"[0-9a-f]{8,}|\d+", "#", f"{type(err).__name__}: {err}")[:200]
 
 
 class SavePath:
@@ -118,6 +138,7 @@ class SavePath:
     _lazy_snapshot: Any
     _stats: SaveStats
     _stats_lock: threading.Lock
+    _unjournalled: list[dict[str, Any]]
     _cost: SaveCost
     _pruned_seen: int
     _last_loss: torch.Tensor | float | None
@@ -126,6 +147,9 @@ class SavePath:
     _wish: Decision | None
     _scheduled: tuple[int | None, float]
     _committed: tuple[int | None, float]
+    _check: ResumeCheck
+    _ahead: tuple[int, Any, Any, Any] | None
+    lineage: str | None
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
@@ -135,6 +159,11 @@ class SavePath:
         flight), so it is safe anywhere, also outside a training step. With ``blocking=True`` it
         also waits until the checkpoint is committed. (``step()`` takes the lazy path.)"""
         handle = self._save(step, Decision(True, reason), lazy=False)
+        err = handle.error
+        if isinstance(err, UnsupportedValueError):
+            # A state that can never be stored (a quantized tensor): the caller asked for this save,
+            # so it hears of it at once. step() records it instead, like any failed save.
+            raise err
         if blocking:
             with heartbeat.heartbeat_state("SAVING"):
                 handle.wait()
@@ -169,21 +198,39 @@ class SavePath:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
         self.wait()  # one save in flight: its staging buffers are about to be refilled
-        snap = take_snapshot(
-            self._objects if objects is None else objects,
-            stager=self._stager,
-            step=step,
-            reason=decision.reason,
-            score=decision.score,
-            precision=self.settings.precision,
-            rules=self.settings.tiers,
-            meta=self._meta,
-            lazy_params=self._guarded_params() if lazy else None,
-        )
+        try:
+            snap = take_snapshot(
+                self._objects if objects is None else objects,
+                stager=self._stager,
+                step=step,
+                reason=decision.reason,
+                score=decision.score,
+                precision=self.settings.precision,
+                rules=self.settings.tiers,
+                meta=self._meta,
+                lazy_params=self._guarded_params() if lazy else None,
+            )
+        except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
+            self._save_failed(step, err)
+            return SaveHandle.failed(step, err)
         healthy = self._loss_is_finite()
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
         snap.meta = {**snap.meta, "signals": reading_meta(self._last_reading)}
+        if ddp := ddp_layout.record(self._objects):  # DDP's gradient buckets (ddp_layout.py)
+            snap.meta[ddp_layout.DDP_META] = ddp
+        if self.lineage is not None:
+            snap.meta["lineage"] = self.lineage
+        # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
+        # of the next step, whose loss and gradients exist already: they go with the checkpoint.
+        ahead = self._ahead
+        next_step: Values | None = None
+        slot: NextStepSlot | None = None
+        if ahead is not None and ahead[0] == step + 1:
+            next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
+        else:  # taken at step(step + 1): into the manifest if still in time, else the journal
+            slot = NextStepSlot()
+            snap.before_manifest = slot.close
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
@@ -194,10 +241,12 @@ class SavePath:
         self._quiet, self._wish = (-math.inf, -math.inf), None
         self._clock.skip()
         self._uncalm()
-        future = self._saver.submit(self._persist, snap, snap_time)
+        future = self._saver.submit(self._persist, snap, snap_time, next_step)
         handle = SaveHandle(step, future, snap)
         handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
+        if next_step is None:
+            self._check.expect(step + 1, handle, slot)
         return handle
 
     def _guarded_params(self) -> set[int]:
@@ -208,22 +257,28 @@ class SavePath:
             for p in g["params"]
         }
 
-    def _persist(self, snap: Any, snap_time: float) -> CommitInfo:
+    def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
+        if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
+            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
         try:
-            info = self._coord.persist(self._persister, snap, self.store.meta_root / GC_LOCK)
+            info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:
-            msg = f"save of step {snap.step} failed: {type(err).__name__}: {err}"
-            logger.error("%s (training continues; the next trigger tries again)", msg)
-            with self._stats_lock:
-                self._stats.failures.append(msg)
-                self._scheduled = self._committed
-            try:
-                if self._coord.leads:  # one line per failed save, whichever rank failed
-                    self.store.journal.append({"event": "save_failed", "step": snap.step, "error": msg[:500]})
-            except OSError:
-                pass
-            raise
+            self._save_failed(snap.step, err)
+            raise  # held by the handle (SaveHandle.error); wait() never raises it
         self.last_commit = info
+        repaired = self._persister.scrubbed.get("repaired") if self._persister.scrub is not None else None
+        if repaired:
+            logger.warning(
+                "step %d: %d reused blob(s) failed their hash (bit rot) and were written again from "
+                "the live state: %s",
+                snap.step,
+                len(repaired),
+                ", ".join(repaired[:5]),
+            )
+            self._journal_event({"event": "blob_repaired", "step": snap.step, "blobs": repaired[:100]})
+        if self._unjournalled:
+            self._journal_event()  # what could not be written while the disk was full
+        heartbeat.trouble("SAVE_FAILING", False)  # saves work again (smartckpt run's status line)
         for observer in self._observers:
             try:
                 observer.on_commit(info)
@@ -238,20 +293,69 @@ class SavePath:
             self._cost.add(snap.blocking_seconds + snap.guard_seconds, info.seconds)
         try:
             self._retain()
-        except (OSError, SmartckptError) as err:
+        except Exception as err:  # the checkpoint is committed whatever retention does
             logger.warning("retention after step %d failed: %s", snap.step, err)
         return info
 
+    def _save_failed(self, step: int, err: BaseException) -> str:
+        """Record a failed save, whatever raised: ``failures`` (``close()`` returns them), one
+        ``save_failed`` journal line with its cause, one log line per distinct cause (the rest
+        at debug level), and the schedule moved back so the next trigger tries again."""
+        msg = f"save of step {step} failed: {type(err).__name__}: {err}"
+        cause = failure_cause(err)
+        with self._stats_lock:
+            self._stats.failures.append(msg)
+            seen = self._stats.causes.get(cause, 0)
+            self._stats.causes[cause] = seen + 1
+            self._scheduled = self._committed
+            count = len(self._stats.failures)
+        if seen == 0:
+            logger.error("%s (training continues; the next trigger tries again)", msg)
+        else:
+            logger.debug("%s (the same cause, %d time(s) before)", msg, seen)
+        # smartckpt run's status line: the flag at once (a mapping: it gets through a full disk),
+        # the details when the report can be written.
+        heartbeat.trouble("SAVE_FAILING", True)
+        report(save_failures={"count": count, "last": msg[:300], "step": step})
+        if self._coord.leads:  # one line per failed save, whichever rank failed
+            self._journal_event(
+                {"event": "save_failed", "step": step, "error": msg[:500], "cause": cause, "repeat": seen}
+            )
+        return msg
+
+    def _journal_event(self, event: dict[str, Any] | None = None) -> None:
+        """Append ``event`` (a failure, an I/O problem) to the journal, after any that could not
+        be written before: the journal may be on the very disk that is full. Kept (the newest
+        100) until the journal takes them; never raises."""
+        with self._stats_lock:
+            if event is not None:
+                event = {**event, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                self._unjournalled.append(event)
+                del self._unjournalled[:-100]
+            todo = list(self._unjournalled)
+        done = 0
+        try:
+            for ev in todo:
+                self.store.journal.append(ev)
+                done += 1
+        except Exception as err:  # logged where the failure itself was reported
+            logger.debug("%d event(s) wait for the journal: %s", len(todo) - done, err)
+        with self._stats_lock:
+            written = {id(ev) for ev in todo[:done]}
+            self._unjournalled = [ev for ev in self._unjournalled if id(ev) not in written]
+
     def _retain(self) -> None:
+        leader = self._coord.collects_garbage()  # the lowest rank of every disk
+        if not (leader or self._coord.leads):
+            return  # nothing to do here: no journal read per rank per save (it grows with the ranks)
         state = self.store.journal.read()
         doomed = select_prunable(state.records, self.settings.keep_last)
         if doomed and self._coord.leads:  # one rank prunes the journal
             prune(self.store.storage, self.store.journal, doomed, why=f"keep_last={self.settings.keep_last}")
-        leader = self._coord.collects_garbage()  # the lowest rank of every disk
         pruned = sum(r.pruned for r in state.records)  # rank 0 may have pruned since the last look
         if leader and (doomed or pruned > self._pruned_seen):
             self._pruned_seen = pruned
-            collect_garbage(self.store.storage, self.store.blobs, self.store.journal, self.store.meta_root)
+            collect_garbage(self.store.storage, self.store.blobs, self.store.journal)
 
     def wait(self) -> CommitInfo | None:
         """Wait for the save in flight, if any; returns its CommitInfo (None if it failed)."""

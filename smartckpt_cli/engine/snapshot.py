@@ -79,6 +79,9 @@ class Snapshot:
     guard_seconds: float = 0.0  # time the optimizer pre-hook waited for the lazy copies
     blocking_seconds: float = 0.0  # time save() blocked the caller (set by the manager)
     calm: bool = True  # the trigger saw calm signals: a known-good candidate for retention
+    # Called by the writer right before the manifest is written (save thread): the resume check
+    # adds what the step after the save computed, when it came in time (resumecheck.py).
+    before_manifest: Any = None
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the

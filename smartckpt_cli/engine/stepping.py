@@ -36,7 +36,10 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.report import report
+from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
@@ -80,6 +83,7 @@ class StepPath:
     _pre_reading: SignalReading | None
     _pre_hooks: int
     _pre_saved: tuple[SaveHandle, str] | None
+    _precursor_refused: set[str]  # reasons a save before the update was not taken (logged once each)
     _optimizers: list[Any]
     _objects: dict[str, tuple[str, Any]]
     _lazy_snapshot: Any
@@ -101,9 +105,13 @@ class StepPath:
     _next_eval: int
     _calm_time: float
     _beating: bool
+    _check: ResumeCheck
+    _saver: Any
+    store: StoreDir
     heartbeat: bool
     # the manager's own
     _save: Callable[..., SaveHandle]
+    _save_failed: Callable[[int, BaseException], str]
     _preempted: Callable[[int, int, StepResult], StepResult]
 
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
@@ -114,6 +122,8 @@ class StepPath:
             if snap.copied.is_set():
                 self._lazy_snapshot = None
         step = self._last_step + 1
+        if step == self._check.step and optimizer is self._optimizers[0]:
+            self._check.grads(optimizer)  # the step after a save or a restore (resumecheck.py)
         if step < self._next_eval or not self._signals.due(step):
             return  # a step that does not evaluate: nothing else to do here
         # Gradient statistics for the evaluation, reduced on the device.
@@ -127,10 +137,10 @@ class StepPath:
         if self._coord.hooks_may_save and self._precursor and self._pre_hooks == len(self._optimizers):
             try:
                 self._before_update(step)
+                if step == self._check.step:  # it saved: the expectation is this step's
+                    self._check.grads(self._optimizers[0])
             except Exception as err:  # never break the user's optimizer.step()
-                logger.warning("save before the optimizer update failed: %s", err)
-                with self._stats_lock:
-                    self._stats.failures.append(f"step {self._last_step}: {err}")
+                self._save_failed(self._last_step, err)
 
     def _launch(self, step: int) -> None:
         """Start the evaluation of ``step``: the memory ceiling read on the host, the signals'
@@ -159,6 +169,14 @@ class StepPath:
         prev = self._last_step
         objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
         if objects is None or busy:
+            why = self._boundary.why_not if objects is None else None
+            if why is not None and why not in self._precursor_refused:
+                self._precursor_refused.add(why)
+                logger.warning(
+                    "no save before the update of step %d: %s; the alarm is taken at the step boundary",
+                    step,
+                    why,
+                )
             return  # the alarm stays pending: step() takes it, after the update
         self._last_reading = reading
         handle = self._save(prev, decision, lazy=False, objects=objects)
@@ -232,6 +250,8 @@ class StepPath:
         sig = self._signals
         sig.step_time = self._clock.tick(now, step)
         self._last_step = step
+        if self._check.step >= 0:
+            self._take_check(step, loss, loss_scale)
         # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
         # this step's evaluation; this step's loss joins the next one's window.
         reading, self._pre_reading = self._pre_reading, None
@@ -280,7 +300,17 @@ class StepPath:
             or step >= self._coord.next_point
         ):
             t0 = time.monotonic()
-            decision = self._consult(step, reading)
+            try:
+                decision = self._consult(step, reading)
+            except Exception as err:
+                # A failing evaluation must neither raise into the loop nor keep this rank from the
+                # decision collective below (the other ranks would wait for it): no save wished
+                # at this step, reported once per cause.
+                decision = NO
+                cause = f"{type(err).__name__}: {err}"
+                if cause not in self._precursor_refused:
+                    self._precursor_refused.add(cause)
+                    logger.error("step %d: the trigger's evaluation failed (%s); no save wished", step, cause)
             if reading is not None:
                 reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
                 self._trace.add(reading, decision.score, reason)
@@ -311,13 +341,29 @@ class StepPath:
             self._preempt.take()
             return self._preempted(step, signum, result)
         if decision.save:
-            result.saved, result.reason = True, decision.reason
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
+            result.saved, result.reason = result.handle.error is None, decision.reason
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
         self._calm_after(step)
         return result
+
+    def _take_check(self, step: int, loss: Any, loss_scale: Any) -> None:
+        """The resume check's values of ``step`` when it is armed for it; what to do with them
+        runs on the save thread, after the save it follows (resumecheck.py)."""
+        try:
+            taken = self._check.take(step, loss, loss_scale)
+            if taken is None:
+                return
+            values, saved, restored = taken
+            append = self.store.journal.append if self._coord.leads else None
+            if saved is not None and append is not None:
+                self._saver.submit(_quietly, expect_job, values, saved, append)
+            if restored is not None:
+                self._saver.submit(_quietly, check_job, values, restored, append, report)
+        except Exception as err:  # the check never breaks the training step
+            logger.warning("resume check skipped at step %d: %s", step, err)
 
     def _calm_after(self, step: int) -> None:
         """Until which step and time nothing can happen (the fast path of ``step``): the first
@@ -333,6 +379,8 @@ class StepPath:
         # its statistics (and captures the boundary a precursor would save)
         self._keep_from = self._next_eval - self._signals.window - 1
         calm = min(float(self._next_eval - 1), self._quiet[0], self._coord.next_point)
+        if self._check.step >= 0:
+            calm = min(calm, float(self._check.step))  # that step takes the resume check's values
         self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
         self._calm_time = self._quiet[1]
         # may_save: the step before the evaluation (a save before its update) and the evaluation
@@ -396,3 +444,11 @@ class StepPath:
             save_total=self._cost.total,
             mtbf=self.settings.mtbf,
         )
+
+
+def _quietly(fn: Callable[..., Any], *args: Any) -> None:
+    """A resume-check job on the save thread: its failure is logged, never raised."""
+    try:
+        fn(*args)
+    except Exception as err:
+        logger.warning("resume check: %s: %s", type(err).__name__, err)

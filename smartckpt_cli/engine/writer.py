@@ -44,8 +44,9 @@ from smartckpt_cli.store.journal import (
     encode_manifest,
     manifest_rel,
 )
+from smartckpt_cli.store.scrub import Scrubber
+from smartckpt_cli.store.storage import Pending
 from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import PendingWrite
 
 __all__ = ["CommitInfo", "Persister", "Written", "base_meta"]
 
@@ -98,6 +99,10 @@ class Persister:
         self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
         self._begun: set[str] = set()  # blobs this save started writing (not yet named)
         self._begun_lock = threading.Lock()
+        # Re-hashes a share of the blobs each save reuses (store/scrub.py); None: off.
+        self.scrub: Scrubber | None = None
+        self._last_new = 0  # bytes the previous save wrote new: the next one's scrub budget
+        self.scrubbed: dict[str, Any] = {}  # what the last save's scrub did (store/scrub.py)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -129,14 +134,23 @@ class Persister:
             _Chunk(view, itemsize)
         ]
 
-    def _put(self, chunk: _Chunk) -> tuple[list[Any], PendingWrite | None]:
+    def _put(self, chunk: _Chunk) -> tuple[list[Any], Pending | None]:
         """Returns ([blob id, codec, raw len, raw hash, encoded len], the pending write of a new
         blob or None when identical content is already stored)."""
         raw_len = len(chunk.view)
         rh = codec.raw_hash(chunk.view)
         hit = self.known.get((rh, raw_len))
+        rewrite = False
         if hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
-            return [hit[0], hit[1], raw_len, rh, hit[2]], None
+            if hit[0] in self._begun or self.scrub is None or not self.scrub.wants(hit[0], hit[2]):
+                return [hit[0], hit[1], raw_len, rh, hit[2]], None
+            sound = self.blobs.verify(hit[0]) is None
+            self.scrub.checked(hit[0], sound)
+            if sound:
+                return [hit[0], hit[1], raw_len, rh, hit[2]], None
+            # Bit rot in a blob that later checkpoints keep referencing: written again below from
+            # the live bytes (their raw hash is the one recorded), over the damaged file.
+            rewrite = True
         # The pieces are written before this thread encodes its next chunk (they may live in the
         # thread's reusable plane buffers); a raw chunk's blob id is its raw hash, no second pass.
         name, parts = codec.encode_chunk_parts(chunk.view, chunk.itemsize, self.level)
@@ -147,7 +161,15 @@ class Persister:
                 self.known[(rh, raw_len)] = (bid, name, enc_len)
                 return [bid, name, raw_len, rh, enc_len], None
             self._begun.add(bid)
-        bid, pending = self.blobs.begin(parts, bid)
+        if rewrite and hit is not None and bid != hit[0]:
+            logger.warning(
+                "blob %s is damaged and encodes differently now (%s): checkpoints that reference it "
+                "stay damaged; this one writes %s",
+                hit[0],
+                name,
+                bid,
+            )
+        bid, pending = self.blobs.begin(parts, bid, rewrite=rewrite)
         fault_point("blob.stored")
         self.known[(rh, raw_len)] = (bid, name, enc_len)
         return [bid, name, raw_len, rh, enc_len], pending
@@ -184,6 +206,8 @@ class Persister:
             n_patch = 0 if red.patch_index is None else red.patch_index.numel()
             layout.append((len(data), len(patch), n_patch))
         self._begun.clear()
+        if self.scrub is not None:
+            self.scrub.begin_save(self._last_new)
         results = _gather([self.pool.submit(self._put, job) for job in jobs], lambda r: r[1])
         pending = [p for _, p in results if p is not None]
         _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
@@ -201,6 +225,9 @@ class Persister:
         pos = 0
         bytes_new = sum(r[0][4] for r in results if r[1] is not None)
         bytes_total = sum(r[0][4] for r in results)
+        self._last_new = bytes_new
+        if self.scrub is not None:
+            self.scrubbed = self.scrub.end_save()
         bytes_raw = 0
         for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(items, reduced, layout, strict=True):
             data_chunks = [r[0] for r in results[pos : pos + n_data]]
@@ -223,6 +250,8 @@ class Persister:
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
     ) -> bytes:
         """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
+        if snap.before_manifest is not None:
+            snap.before_manifest(snap)
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
@@ -264,6 +293,8 @@ class Persister:
                 "score": snap.score,
                 "bytes_new": written.bytes_new,
                 "bytes_total": written.bytes_total,
+                # the training this checkpoint continues (engine/manager.py: lineage)
+                **({"lineage": snap.meta["lineage"]} if snap.meta.get("lineage") else {}),
                 **(extra or {}),
             }
         )
@@ -280,7 +311,7 @@ class Written:
     health: str
 
 
-def _gather(futures: list[Any], pending_of: Any, cleanup: list[PendingWrite] | None = None) -> list[Any]:
+def _gather(futures: list[Any], pending_of: Any, cleanup: list[Pending] | None = None) -> list[Any]:
     """All results, or — when any task failed — abort every pending write (no temporary file or
     open descriptor outlives a failed save) and raise the first error."""
     results, error = [], None

@@ -209,6 +209,8 @@ def draw_timeline(tl: Timeline, *, width: float = 12.0, dpi: int = 100) -> Any:
             if r.seconds_lost is not None:
                 lost.append(f"{r.seconds_lost:,.1f} s")
             text = r.label + (f": lost {', '.join(lost)}" if lost else "")
+            if r.restart_from == 0 and r.restarted and (r.step or 0) > 0:
+                text += " (began again at step 0)"
             ax_loss.text(
                 x,
                 0.99,

@@ -101,7 +101,10 @@ class SmartCheckpointCallback(TrainerCallback):
 
         def training_step(*args: Any, **kwargs: Any) -> Any:
             loss = inner_step(*args, **kwargs)
-            self._loss = loss  # detached by the Trainer; stays on its device (no sync)
+            # Detached by the Trainer; stays on its device (no sync). With gradient accumulation
+            # each micro-step returns its share (loss / steps): their sum is the step's loss, the
+            # one the Trainer logs.
+            self._loss = loss if self._loss is None else self._loss + loss
             return loss
 
         trainer.training_step = training_step
@@ -158,7 +161,8 @@ class SmartCheckpointCallback(TrainerCallback):
             mgr.apply(loaded, [n for n in ("optimizer", "scheduler") if objects[n] is not None])
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if self.manager.step(state.global_step, loss=self._loss).saved:
+        loss, self._loss = self._loss, None  # the next step's micro-steps sum afresh
+        if self.manager.step(state.global_step, loss=loss).saved:
             self._saved = state.global_step
         if not self.keep_trainer_saves:
             control.should_save = False

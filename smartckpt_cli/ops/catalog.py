@@ -14,6 +14,8 @@ are rank 0's part.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,16 +23,20 @@ from smartckpt_cli.errors import CheckpointCorrupt, UsageError
 from smartckpt_cli.store.checkpoints import candidates, read_manifest
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.names import blob_rel
+from smartckpt_cli.store.scrub import ScrubBook
 
 __all__ = [
     "Catalog",
     "EntryRow",
+    "Lineage",
     "ManifestDetail",
     "Row",
     "active_writer",
     "blob_sizes",
     "describe",
     "dtensor_nodes",
+    "lineages",
     "list_checkpoints",
     "sharding_summary",
     "world_size",
@@ -60,6 +66,12 @@ class Row:
     world_size: int = 1  # ranks that wrote it (journal)
     sharded: int = 0  # DTensor entries sharded over them (rank 0's part: its skeletons)
     sharding: str = "-"  # e.g. "S0×12"; "-" for none, "?" when the manifest is unreadable
+    # The least recently checked of its blobs: when a save's scrub or `verify` last re-hashed it
+    # ("checked"), or, for one never re-hashed since, when it was written ("written").
+    blobs_checked_utc: str | None = None
+    blobs_checked_how: str | None = None
+    lineage: str | None = None  # the training it continues (commit line; None: before lineages)
+    line: str = "A"  # that lineage's letter, in the order lineages began in the journal
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "pruned": self.state == "pruned", "rolled_back": self.state == "rolled back"}
@@ -71,14 +83,55 @@ class Catalog:
     rows: list[Row]  # newest first
     journal_problems: list[str]
     failures: list[dict[str, Any]] = field(default_factory=list)
+    lineages: list[Lineage] = field(default_factory=list)  # oldest first
+    resume_checks: list[dict[str, Any]] = field(default_factory=list)  # journal order
+    # zero-code checkpointing that turned itself off ({"step", "why"}), journal order
+    checkpointing_off: list[dict[str, Any]] = field(default_factory=list)
+    # writes on the loop's path that failed and were not followed by one that worked ({"what", "error"})
+    io_errors: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "store_id": self.store_id,
             "checkpoints": [r.to_json() for r in self.rows],
+            "lineages": [asdict(x) for x in self.lineages],
+            "resume_checks": self.resume_checks,
             "journal_problems": self.journal_problems,
             "save_failures": self.failures,
+            "checkpointing_off": self.checkpointing_off,
+            "io_errors": self.io_errors,
         }
+
+
+@dataclass
+class Lineage:
+    """The checkpoints of one training: a run that restored continues the lineage it restored
+    from; one that began at step 0 starts another (engine/manager.py). A restore never falls
+    back from one lineage into another."""
+
+    line: str  # A, B, ... in the order they began in the journal
+    id: str | None
+    checkpoints: int
+    first_step: int
+    last_step: int
+
+
+def lineages(records: list[CheckpointRecord]) -> tuple[list[Lineage], dict[str, str]]:
+    """Pure: the lineages of ``records`` (journal order) and each checkpoint id's letter."""
+    letters: dict[str | None, str] = {}
+    found: dict[str | None, Lineage] = {}
+    by_id: dict[str, str] = {}
+    for rec in sorted(records, key=lambda r: r.position):
+        key = rec.event.get("lineage")
+        if key not in letters:
+            n = len(letters)
+            letters[key] = chr(ord("A") + n) if n < 26 else f"L{n + 1}"
+            found[key] = Lineage(letters[key], key, 0, rec.step, rec.step)
+        got = found[key]
+        got.checkpoints += 1
+        got.last_step = rec.step
+        by_id[rec.id] = letters[key]
+    return list(found.values()), by_id
 
 
 def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
@@ -93,10 +146,7 @@ def blob_sizes(manifest: dict[str, Any]) -> dict[str, int]:
 
 def world_size(rec: CheckpointRecord) -> int:
     """How many ranks wrote ``rec`` (1 for a single-process checkpoint)."""
-    n = rec.event.get("world_size")
-    if isinstance(n, int) and n > 0:
-        return n
-    return max(1, len(rec.event.get("parts") or []))
+    return rec.world_size
 
 
 def dtensor_nodes(manifest: dict[str, Any]) -> dict[str, tuple[list[int], list[str]]]:
@@ -169,6 +219,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
     target = candidates(state.records)
     target_id = target[0].id if target else None
+    lines, line_of = lineages(state.records)
     manifests: dict[str, dict[str, Any]] = {}
     problems: dict[str, str] = {}
     for rec in records:
@@ -181,6 +232,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         except OSError as err:
             problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    blob_checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:
@@ -194,6 +246,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         ver = checked.get(rec.id)
         meta = m.get("meta", {})
         n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
+        checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
         rows.append(
             Row(
                 step=rec.step,
@@ -217,9 +270,68 @@ def list_checkpoints(store: StoreDir) -> Catalog:
                 world_size=world_size(rec),
                 sharded=n_sharded,
                 sharding=sharding,
+                blobs_checked_utc=checked_utc,
+                blobs_checked_how=checked_how,
+                lineage=rec.event.get("lineage"),
+                line=line_of.get(rec.id, "A"),
             )
         )
-    return Catalog(state.store_id, rows, state.problems, state.failures)
+    checks = _events(events, "resume_check")
+    return Catalog(
+        state.store_id,
+        rows,
+        state.problems,
+        state.failures,
+        lines,
+        checks,
+        _events(events, "checkpointing_off"),
+        _open_io_errors(events),
+    )
+
+
+def _events(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [{k: v for k, v in ev.items() if k != "crc"} for ev in events if ev.get("event") == kind]
+
+
+def _open_io_errors(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest ``io_error`` of each thing written (``what``) that no ``io_ok`` followed."""
+    open_: dict[str, dict[str, Any]] = {}
+    for ev in events:
+        what = ev.get("what")
+        if ev.get("event") == "io_error" and isinstance(what, str):
+            open_[what] = {k: v for k, v in ev.items() if k != "crc"}
+        elif ev.get("event") == "io_ok" and isinstance(what, str):
+            open_.pop(what, None)
+    return list(open_.values())
+
+
+class _BlobChecks:
+    """When each blob was last re-hashed (the scrub book), else when it was written (its file's
+    modification time)."""
+
+    def __init__(self, store: StoreDir) -> None:
+        self.store = store
+        self.book = ScrubBook(store.meta)
+        self._written: dict[str, float | None] = {}
+
+    def _when(self, bid: str) -> tuple[float, str] | None:
+        checked = self.book.checked.get(bid)
+        if checked is not None:
+            return checked, "checked"
+        if bid not in self._written:
+            try:
+                self._written[bid] = os.stat(self.store.storage.path(blob_rel(bid))).st_mtime
+            except (OSError, ValueError):
+                self._written[bid] = None
+        written = self._written[bid]
+        return None if written is None else (written, "written")
+
+    def oldest(self, bids: list[str]) -> tuple[str | None, str | None]:
+        found = [w for w in (self._when(b) for b in bids) if w is not None]
+        if not found:
+            return None, None
+        when, how = min(found)
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)), how
 
 
 @dataclass

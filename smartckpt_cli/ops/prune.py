@@ -29,7 +29,6 @@ from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage_locked, prune
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["PrunePlan", "PruneResult", "carry_out", "newest_verified", "plan_prune"]
 
@@ -156,7 +155,7 @@ def _carry_out(
     deadline = time.monotonic() + lock_timeout
     while True:
         try:
-            with file_lock(store.meta_root / GC_LOCK, blocking=False):
+            with store.lock(GC_LOCK, blocking=False):
                 state = store.journal.read()
                 if not any(r.id == verified.id and r.live for r in state.records):
                     raise _Superseded()

@@ -37,6 +37,7 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.checkpoints import read_manifest
 from smartckpt_cli.store.directory import DIR_ID, StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
+from smartckpt_cli.store.scrub import ScrubBook
 
 __all__ = ["VerifyReport", "VerifyResult", "record_results", "select", "verify", "verify_store"]
 
@@ -64,6 +65,7 @@ class VerifyReport:
     journal_problems: list[str]
     bytes_checked: int  # distinct encoded bytes read and hashed
     seconds: float
+    sound_blobs: list[str] = field(default_factory=list)  # re-hashed and found sound
 
     @property
     def ok(self) -> bool:
@@ -228,6 +230,7 @@ def verify(
     n_workers = workers or max(4, os.cpu_count() or 1)
     # Largest first: the pool stays busy to the end instead of waiting on one big straggler.
     order = sorted(users, key=lambda t: sizes[t], reverse=True)
+    sound: list[str] = []
     with ThreadPoolExecutor(max_workers=n_workers, thread_name_prefix="smartckpt-verify") as pool:
         futures = {pool.submit(checker.check, task): task for task in order}
         for fut in as_completed(futures):
@@ -238,6 +241,7 @@ def verify(
             if progress is not None:
                 progress(done, total)
             if problem is None:
+                sound.append(task[0])
                 continue
             seen: set[int] = set()
             for i, tier, key in users[task]:
@@ -251,7 +255,7 @@ def verify(
             shown = sorted(r.problems)[:MAX_PROBLEMS]
             more = len(r.problems) - len(shown)
             r.problem = "; ".join(shown) + (f"; and {more} more" if more else "")
-    return VerifyReport(results, state.problems, checked, time.perf_counter() - t0)
+    return VerifyReport(results, state.problems, checked, time.perf_counter() - t0, sound)
 
 
 def _dir_id(store: StoreDir) -> str | None:
@@ -269,16 +273,11 @@ def _parts(
     single-process checkpoint (rank None), else every rank's part found here. Parts written to
     another disk go to ``result.ranks_elsewhere``; a part missing from its own disk stays in the
     list, so that reading it reports the damage."""
-    parts = rec.event.get("parts")
-    if not isinstance(parts, list) or not parts:
-        return [(None, rec)]
+    if not rec.parts:
+        return [(None, rec)]  # one process, or an invalid line (read_manifest names its fault)
     out: list[tuple[int | None, CheckpointRecord]] = []
-    for rank, part in enumerate(parts):
-        try:
-            rel, mhash, part_dir = str(part[0]), str(part[1]), part[2]
-        except (IndexError, TypeError, KeyError):
-            result.problems.append(f"rank {rank}: the commit line's part entry is malformed: {part!r}")
-            continue
+    for rank, part in enumerate(rec.parts):
+        rel, mhash, part_dir = part.manifest, part.manifest_hash, part.dir_id
         if part_dir != here and not store.storage.exists(rel):
             result.ranks_elsewhere.append(rank)
             continue
@@ -331,4 +330,8 @@ def record_results(store: StoreDir, report: VerifyReport) -> bool:
     except OSError as err:
         logger.info("verification results not recorded: %s", err)
         return False
+    if report.sound_blobs:  # when each blob was last found sound, for inspect (store/scrub.py)
+        book = ScrubBook(store.meta)
+        book.mark(report.sound_blobs)
+        book.save(keep=set(store.blobs.all_ids()))
     return True

@@ -6,7 +6,11 @@ renamed; an S3 object appears only when its single PUT or its multipart upload c
 process killed mid-upload leaves no object (only an incomplete multipart upload, which S3
 lifecycle rules expire). Credentials come only from fsspec/boto's own mechanisms (environment
 variables, config files, instance roles); nothing here stores or logs them, and ``display_url``
-strips any that a URL carries.
+strips any that a URL carries (``hooks/_smartckpt_redact.py``, the one home of that rule).
+
+Like the local backend, every backend checks each relative name it is given
+(:func:`~smartckpt_cli.store.names.check_rel`) and a directory remote refuses any path that
+resolves outside its root: nothing read from a bucket can make a node write outside the prefix.
 """
 
 from __future__ import annotations
@@ -14,37 +18,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
-from smartckpt_cli.errors import ConfigError
+from smartckpt_cli.errors import ConfigError, UnsafePathError
+from smartckpt_cli.redact import redact_url
+from smartckpt_cli.store.names import InvalidName, check_rel
 
 __all__ = ["DirRemote", "FsspecRemote", "Limiter", "Remote", "display_url", "open_remote"]
 
 logger = logging.getLogger(__name__)
 
-_SECRET_QUERY = re.compile(r"(?i)(secret|token|key|signature|password|credential)")
-
 
 def display_url(url: str) -> str:
-    """``url`` without what must never reach a log: user:password@ and secret query values."""
+    """``url`` without what must never reach a log or a file: the userinfo of any scheme (a
+    secret with ``/`` in it included) and the values of credential query parameters."""
+    return redact_url(url)
+
+
+def _checked(rel: str, url: str) -> str:
     try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable remote url>"
-    netloc = parts.netloc.rsplit("@", 1)[-1]
-    query = "&".join(
-        (f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}") if "=" in q else q
-        for q in parts.query.split("&")
-        if q
-        for k, _, v in [q.partition("=")]
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+        return check_rel(rel, "remote object")
+    except InvalidName as err:
+        raise UnsafePathError(f"remote {display_url(url)}: {err}; refused") from None
 
 
 class Limiter:
@@ -104,6 +103,16 @@ class DirRemote:
         self._n = 0
         self._lock = threading.Lock()
 
+    def _at(self, rel: str) -> Path:
+        """The path of ``rel`` under the root, refused when it would resolve outside it."""
+        path = self.root / _checked(rel, self.url)
+        real, root = os.path.realpath(path), os.path.realpath(self.root)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(
+                f"remote object {rel} resolves to {real}, outside the remote {self.root}; refused"
+            )
+        return path
+
     def _tmp(self, final: Path) -> Path:
         with self._lock:
             self._n += 1
@@ -111,7 +120,7 @@ class DirRemote:
         return final.with_name(f"{final.name}.tmp.{os.getpid()}.{n}")
 
     def put(self, rel: str, data: bytes | memoryview, *, part_bytes: int, limiter: Limiter) -> None:
-        final = self.root / rel
+        final = self._at(rel)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp(final)
         try:
@@ -128,20 +137,20 @@ class DirRemote:
             raise
 
     def get(self, rel: str) -> bytes:
-        return (self.root / rel).read_bytes()
+        return self._at(rel).read_bytes()
 
     def exists(self, rel: str) -> bool:
-        return (self.root / rel).is_file()
+        return self._at(rel).is_file()
 
     def list(self, rel_dir: str) -> list[str]:
         try:
-            return sorted(n for n in os.listdir(self.root / rel_dir) if ".tmp." not in n)
+            return sorted(n for n in os.listdir(self._at(rel_dir)) if ".tmp." not in n)
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / rel)
+            os.unlink(self._at(rel))
 
 
 class FsspecRemote:
@@ -152,9 +161,17 @@ class FsspecRemote:
         import fsspec
 
         self.url = url
-        parts = urlsplit(url)
-        self.protocol = parts.scheme
-        self.base = (parts.netloc.rsplit("@", 1)[-1] + parts.path).rstrip("/")
+        # The bucket and prefix come from the URL without its userinfo: a secret holding "/" must
+        # not become part of the object names (nor of any message naming them).
+        clean = redact_url(url)
+        self.protocol, _, rest = clean.partition("://")
+        self.base = rest.split("?", 1)[0].rstrip("/")
+        if clean.partition("?")[0] != url.partition("?")[0]:
+            logger.warning(
+                "remote %s: credentials in the URL are not used; give them the usual way "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, an instance role)",
+                clean,
+            )
         options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
         if self.protocol in ("s3", "s3a"):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -170,7 +187,7 @@ class FsspecRemote:
         self.fs = fsspec.filesystem(self.protocol, **options)
 
     def _path(self, rel: str) -> str:
-        return f"{self.base}/{rel}" if rel else self.base
+        return f"{self.base}/{_checked(rel, self.url)}" if rel else self.base
 
     def put(self, rel: str, data: bytes | memoryview, *, part_bytes: int, limiter: Limiter) -> None:
         view = memoryview(data).cast("B")

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from smartckpt_cli.errors import SmartckptError
-from smartckpt_cli.remote.backend import Remote
+from smartckpt_cli.remote.backend import Remote, display_url
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, part_cid, status_name
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store import codec
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, record_manifests
+from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.names import blob_rel, is_blob_id, is_manifest_file
 from smartckpt_cli.store.retention import select_prunable
 
 __all__ = [
@@ -50,12 +51,19 @@ REMOTE_LOCK = "remote.lock"
 
 
 def list_blobs(remote: Remote) -> set[str]:
-    return {n for fan in remote.list("blobs") for n in remote.list(f"blobs/{fan}")}
+    """The blob ids on the remote: names that are blob ids, in the folder of their first two
+    digits. Anything else under ``blobs/`` is not ours: never counted, never removed."""
+    fans = [f for f in remote.list("blobs") if len(f) == 2 and all(c in "0123456789abcdef" for c in f)]
+    return {n for fan in fans for n in remote.list(f"blobs/{fan}") if is_blob_id(n) and n[:2] == fan}
 
 
 def upload_lag(local: Iterable[CheckpointRecord], remote_live_ids: set[str]) -> list[CheckpointRecord]:
-    """Pure: live local checkpoints the remote does not hold yet, oldest first."""
-    return sorted((r for r in local if r.live and r.id not in remote_live_ids), key=lambda r: r.position)
+    """Pure: live local checkpoints the remote does not hold yet, oldest first. A checkpoint whose
+    commit line is invalid names nothing that could be shipped: never."""
+    return sorted(
+        (r for r in local if r.live and r.invalid is None and r.id not in remote_live_ids),
+        key=lambda r: r.position,
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -66,13 +74,66 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _status(data: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A status file as it may be shown: the fields smartckpt writes, each of its type (a file
+    anyone could have written is never trusted further); None when it is not one."""
+    if data is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        want = _STATUS_FIELDS.get(key)
+        if want is None:
+            continue
+        if want is int and isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62:
+            out[key] = value
+        elif want is float and isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            out[key] = float(value)
+        elif want is str and isinstance(value, str):
+            out[key] = display_url(value)[:300] if key == "remote" else value[:300]
+        elif want is list and isinstance(value, list):
+            out[key] = [v for v in value if isinstance(v, int) and not isinstance(v, bool)][:100]
+        elif want is bool and isinstance(value, bool | str | None):
+            out[key] = value
+    world = out.get("world", 1)
+    out["world"] = world if 1 <= world <= _STATUS_RANKS else 1
+    return out
+
+
+_STATUS_RANKS = 1 << 16  # a status file claiming more ranks than this is not believed
+
+_STATUS_FIELDS: dict[str, type] = {
+    "remote": str,
+    "rank": int,
+    "world": int,
+    "part_pending": int,
+    "part_pending_steps": list,
+    "lag_seconds": float,
+    "pending": int,
+    "pending_steps": list,
+    "remote_steps": list,
+    "last_error": str,
+    "failures_in_row": int,
+    "bytes_sent": int,
+    "blobs_sent": int,
+    "blobs_deduped": int,
+    "checkpoints_sent": int,
+    "parts_sent": int,
+    "last_upload_seconds": float,
+    "disabled": bool,
+    "pid": int,
+    "updated": float,
+}
+
+
 def read_status(meta_root: Path) -> dict[str, Any] | None:
     """The uploader's status. With several ranks (each writes its own file, parts.status_name)
-    rank 0's, plus ``ranks`` (each rank's lag) and the slowest rank's lag (:func:`merge_status`)."""
-    head = _read_json(meta_root / STATUS_FILE)
-    if head is None or int(head.get("world", 1)) <= 1:
+    rank 0's, plus ``ranks`` (each rank's lag) and the slowest rank's lag (:func:`merge_status`).
+    Every field is checked for its type first (:func:`_status`); a world size beyond reason
+    reads as one process."""
+    head = _status(_read_json(meta_root / STATUS_FILE))
+    if head is None or head["world"] <= 1:
         return head
-    ranks = [head] + [_read_json(meta_root / status_name(r)) for r in range(1, int(head["world"]))]
+    ranks = [head] + [_status(_read_json(meta_root / status_name(r))) for r in range(1, head["world"])]
     return merge_status(ranks)
 
 
@@ -121,11 +182,17 @@ def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteChe
     """Every manifest of ``rec`` (each rank's part of a multi-rank checkpoint) and every blob they
     name: present, and re-hashing to its name."""
     out = RemoteCheck(rec.step, rec.id, ok=False)
-    parts = rec.event.get("parts") or [[rec.manifest, rec.manifest_hash]]
+    if rec.invalid is not None:
+        out.problem = rec.invalid
+        return out
+    parts = (
+        [(p.manifest, p.manifest_hash) for p in rec.parts]
+        if rec.parts
+        else [(rec.manifest, rec.manifest_hash)]
+    )
     multi = len(parts) > 1
     ids: dict[str, None] = {}
-    for rank, part in enumerate(parts):
-        rel, mhash = str(part[0]), str(part[1])
+    for rank, (rel, mhash) in enumerate(parts):
         who = f"rank {rank}'s " if multi else ""
         try:
             data = remote.get(rel)
@@ -144,7 +211,7 @@ def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteChe
 
     def one(bid: str) -> tuple[str | None, int]:
         try:
-            blob = remote.get(f"blobs/{bid[:2]}/{bid}")
+            blob = remote.get(blob_rel(bid))
         except FileNotFoundError:
             return f"missing blob {bid}", 0
         return (None if codec.blob_id(blob) == bid else f"hash mismatch in blob {bid}"), len(blob)
@@ -180,8 +247,9 @@ def verify_remote(
 
 
 def _manifests_of(rec: CheckpointRecord) -> list[str]:
-    """Every manifest of a checkpoint: its own, and each rank's part of a multi-rank one."""
-    return record_manifests(rec.event, rec.manifest)
+    """Every manifest of a checkpoint: its own, and each rank's part of a multi-rank one (checked
+    names; none for an invalid commit object)."""
+    return rec.manifests()
 
 
 def remove_unreferenced(
@@ -222,7 +290,7 @@ def remove_unreferenced(
         abandoned: set[str] = set()
         for name in remote.list("manifests"):
             rel = f"manifests/{name}"
-            if rel in named or not name.endswith(".json"):
+            if rel in named or not is_manifest_file(name):
                 continue
             cid = part_cid(name)
             if pending_ids is not None and cid is not None and cid not in pending_ids:
@@ -245,11 +313,11 @@ def remove_unreferenced(
             if rel not in kept_manifests:
                 remote.remove(rel)
                 manifests.pop(rel, None)
-            if rec.event.get("parts"):
+            if rec.parts:
                 remote.remove(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rank)}")
     removed = 0
     for bid in sorted(known_blobs - referenced):
-        remote.remove(f"blobs/{bid[:2]}/{bid}")
+        remote.remove(blob_rel(bid))
         known_blobs.discard(bid)
         removed += 1
     return removed
@@ -298,7 +366,7 @@ class RemoteUnavailable(SmartckptError):
 
 def connect(url: str) -> tuple[Remote, RemoteJournal, RemoteState]:
     """Open ``url`` and read its journal, for the CLI; one-line errors."""
-    from smartckpt_cli.remote.backend import display_url, open_remote
+    from smartckpt_cli.remote.backend import open_remote
 
     remote = open_remote(url)
     journal = RemoteJournal(remote)
@@ -315,7 +383,6 @@ def connect(url: str) -> tuple[Remote, RemoteJournal, RemoteState]:
 
 def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None, url: str) -> dict[str, Any]:
     """What ``inspect --remote`` shows: the remote's live checkpoints and the upload lag."""
-    from smartckpt_cli.remote.backend import display_url
 
     remote, _, state = connect(url)
     local = list(local)
@@ -336,7 +403,7 @@ def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None
 def _rank_lag(remote: Remote, lag: list[CheckpointRecord]) -> list[dict[str, Any]]:
     """Per rank, the pending multi-rank checkpoints whose part that rank has not marked on the
     remote yet (its upload lag as the remote sees it); empty for one process."""
-    world = max((len(r.event.get("parts") or []) for r in lag), default=0)
+    world = max((len(r.parts or ()) for r in lag), default=0)
     if world <= 1:
         return []
     markers = set(remote.list(PARTS_DIR))

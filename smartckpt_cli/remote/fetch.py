@@ -79,7 +79,10 @@ def fetch_checkpoint(
 ) -> Fetched:
     """Make the local copy of ``record`` whole: download its manifest and every blob that is
     missing or fails its hash locally, and nothing else (``only``: the blobs of these entry keys).
-    Raises CheckpointCorrupt when the remote copy is incomplete or damaged too."""
+    Raises CheckpointCorrupt when the remote copy is incomplete or damaged too, or when its commit
+    object names things outside the format (nothing is fetched then)."""
+    if record.invalid is not None:
+        raise CheckpointCorrupt(record.invalid, tier="L1")
     done = Fetched()
     try:
         data = storage.read(record.manifest)
@@ -137,7 +140,13 @@ def fetch_part(
     """The local copy of what ``rank`` of ``world`` reads of a multi-rank checkpoint: at the same
     world size its own part, and of the lower rank that wrote an entry for it (``ref``) that
     entry only; at another world size (elastic resume) every part, which resharding reads."""
-    parts = record.event.get("parts") or [[record.manifest, record.manifest_hash, ""]]
+    if record.invalid is not None:
+        raise CheckpointCorrupt(record.invalid, tier="L1")
+    parts = (
+        [[p.manifest, p.manifest_hash] for p in record.parts]
+        if record.parts
+        else [[record.manifest, record.manifest_hash]]
+    )
     total = Fetched()
 
     def add(got: Fetched) -> None:
@@ -151,12 +160,15 @@ def fetch_part(
     def of(r: int) -> CheckpointRecord:
         return replace(record, manifest=parts[r][0], manifest_hash=parts[r][1])
 
-    if int(record.event.get("world_size", 1)) != world or rank >= len(parts):
+    if record.world_size != world or rank >= len(parts):
         for r in range(len(parts)):
             add(fetch_checkpoint(remote, storage, blobs, of(r), workers=workers))
         return total
     add(fetch_checkpoint(remote, storage, blobs, of(rank), workers=workers))
-    manifest = decode_manifest(storage.read(parts[rank][0]), parts[rank][0])
+    try:
+        manifest = decode_manifest(storage.read(parts[rank][0]), parts[rank][0])
+    except ValueError as err:
+        raise CheckpointCorrupt(f"step {record.step}: {err}", tier="L1") from err
     refs: dict[int, set[str]] = {}
     for key, entry in manifest.get("entries", {}).items():
         if entry.get("ref") is not None:

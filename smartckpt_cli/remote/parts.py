@@ -24,6 +24,7 @@ import json
 from typing import Any
 
 from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.names import marker, parse_marker
 
 __all__ = [
     "PARTS_DIR",
@@ -42,13 +43,15 @@ STATUS_BASE = "remote-status"
 
 
 def record_parts(rec: CheckpointRecord) -> list[list[Any]] | None:
-    """``[[manifest, hash, dir id], ...]`` of a multi-rank commit, None for one process."""
-    parts = rec.event.get("parts")
-    return [list(p) for p in parts] if parts else None
+    """``[[manifest, hash, dir id], ...]`` of a multi-rank commit (names checked when the journal
+    was read), None for one process."""
+    if not rec.parts:
+        return None
+    return [[p.manifest, p.manifest_hash, p.dir_id] for p in rec.parts]
 
 
 def marker_name(step: int, cid: str, rank: int) -> str:
-    return f"{step:012d}-{cid}-r{rank}.json"
+    return marker(step, cid, rank)
 
 
 def marker_body(rec: CheckpointRecord, rank: int) -> bytes:
@@ -80,13 +83,9 @@ def still_pending(local: list[CheckpointRecord], remote_ids: set[str], remote_li
 
 def part_cid(name: str) -> str | None:
     """The checkpoint id in a part manifest's or marker's file name (``<step>-<id>-r<rank>.json``),
-    None for any other name."""
-    stem, dot, ext = name.rpartition(".")
-    head, sep, rank = stem.rpartition("-r")
-    step, dash, cid = head.partition("-")
-    if not (dot and ext == "json" and sep and dash and rank.isdigit() and step.isdigit() and cid):
-        return None
-    return cid
+    None for any other name (store/names.py: such a name is never ours)."""
+    parsed = parse_marker(name)
+    return None if parsed is None else parsed[1]
 
 
 def status_name(rank: int) -> str:

@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 from smartckpt_cli.remote.backend import Limiter, Remote, display_url
@@ -53,7 +52,6 @@ from smartckpt_cli.store import codec
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
 from smartckpt_cli.store.retention import select_prunable
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["RemoteMismatch", "Replicator", "RoundPlan", "plan_round"]
 
@@ -216,16 +214,15 @@ class Replicator:
     def run_round(self) -> int:
         """One round, under remote.lock; returns how many committed checkpoints are still not
         remote."""
-        lock = Path(self.store.meta_root) / REMOTE_LOCK
         if self.world == 1:
-            with file_lock(lock):
+            with self.store.lock(REMOTE_LOCK):
                 return self._round()
         # Several ranks: their rounds run side by side (shared); rank 0's garbage collection
         # (exclusive) never runs while any rank is between its dedup decision and its marker.
-        with file_lock(lock, shared=True):
+        with self.store.lock(REMOTE_LOCK, shared=True):
             pending = round_parts(self)
         if self.rank == 0:
-            with file_lock(lock):
+            with self.store.lock(REMOTE_LOCK):
                 self._expire()
         return pending
 

@@ -7,8 +7,10 @@ format, crc included: a damaged object is skipped like a damaged line.
 
 The commit rule is the local one: a checkpoint exists remotely only once its ``commit`` object
 exists, and the replicator writes that object last, after every blob and the manifest. Replaying
-the objects uses the local :func:`~smartckpt_cli.store.journal.fold`, so both sides agree on what a
-commit, a prune and a rollback mean.
+the objects uses the local :func:`~smartckpt_cli.store.journal.replay`, so both sides agree on
+what a commit, a prune and a rollback mean, and check every name a line carries the same way.
+An object under ``journal/`` whose *name* is not one (:func:`~smartckpt_cli.store.names.journal_object`)
+is somebody else's: it is never read.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from smartckpt_cli.errors import JournalError
-from smartckpt_cli.remote.backend import Limiter, Remote
+from smartckpt_cli.remote.backend import Limiter, Remote, display_url
 from smartckpt_cli.store.journal import (
     JOURNAL_FORMAT,
     JOURNAL_VERSION,
     CheckpointRecord,
     decode_line,
     encode_line,
-    fold,
+    replay,
 )
+from smartckpt_cli.store.names import journal_object
 
 __all__ = ["JOURNAL_DIR", "RemoteJournal", "RemoteState", "object_name", "parse_name"]
 
@@ -42,12 +44,9 @@ def object_name(seq: int, event: str, tag: str) -> str:
 
 
 def parse_name(name: str) -> tuple[int, str] | None:
-    """(seq, event) of a journal object name, None for anything else."""
-    stem = name.removesuffix(".json")
-    parts = stem.split("-", 2)
-    if len(parts) != 3 or not parts[0].isdigit() or name == stem:
-        return None
-    return int(parts[0]), parts[1]
+    """(seq, event) of a journal object name, None for anything else (store/names.py)."""
+    obj = journal_object(name)
+    return None if obj is None else (obj.seq, obj.event)
 
 
 @dataclass
@@ -74,8 +73,7 @@ class RemoteJournal:
         """Replay every journal object in sequence order."""
         names = [(parse_name(n), n) for n in self.remote.list(JOURNAL_DIR)]
         ordered = sorted((p[0], n) for p, n in names if p is not None)
-        events: list[dict[str, Any]] = []
-        problems: list[str] = []
+        decoded: list[tuple[str, dict[str, Any] | None]] = []
         for _, name in ordered:
             if name in self._cache:
                 ev = self._cache[name]
@@ -85,19 +83,10 @@ class RemoteJournal:
                 except FileNotFoundError:
                     continue  # removed while listing
                 ev = self._cache[name] = decode_line(raw.strip())
-            if ev is None:
-                problems.append(f"remote journal object {name} is damaged; skipped")
-                continue
-            events.append(dict(ev))
-        if events:
-            head = events[0]
-            if head.get("event") != "init" or head.get("format") != JOURNAL_FORMAT:
-                raise JournalError(f"remote {self.remote.url}: journal has no init object")
-            if int(head.get("v", 0)) > JOURNAL_VERSION:
-                raise JournalError(f"remote journal version {head.get('v')} is newer than this smartckpt")
-        store_id, records, _ = fold(events)
+            decoded.append((f"remote journal object {name}", dict(ev) if ev is not None else None))
+        state, _ = replay(decoded, f"remote {display_url(self.remote.url)}: journal")
         next_seq = (ordered[-1][0] + 1) if ordered else 0
-        return RemoteState(store_id, records, problems, next_seq)
+        return RemoteState(state.store_id, state.records, state.problems, next_seq)
 
     def write(self, seq: int, event: dict[str, Any], tag: str | None = None) -> str:
         """Write one event object; returns its name. For a ``commit`` this is the commit point."""

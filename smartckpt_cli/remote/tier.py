@@ -5,7 +5,9 @@ manager calls, in this order:
 
 1. ``RemoteTier.open(settings, store)`` before the local journal exists (a new node, a wiped
    disk): ``adopted_store_id`` is the remote's store id, so the checkpoints it holds belong to
-   this store and keep passing the manifests' store check;
+   this store and keep passing the manifests' store check. With nothing to resume locally, a
+   remote that does not answer is waited for (``remote_start_wait``, :mod:`.start_wait`), and
+   the start refused after it, never started over with a new store id;
 2. ``order`` and ``load`` in ``restore``: what to try, and each try (local copy first, the
    missing or damaged parts downloaded from the remote when it fails);
 3. ``on_start(store_id)`` once (the uploader starts), then ``on_commit(info)`` after each commit
@@ -20,6 +22,7 @@ local, the uploader retries in the background.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -29,11 +32,11 @@ from smartckpt_cli.remote.check import REMOTE_LOCK
 from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, fetch_part, restore_order
 from smartckpt_cli.remote.replicator import Replicator
 from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.remote.start_wait import wait_for_remote
 from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import JournalState
 from smartckpt_cli.store.retention import GC_LOCK
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["REMOTE_LOCK", "RemoteTier"]
 
@@ -54,13 +57,20 @@ class RemoteTier:
         self.adopted_store_id: str | None = None
 
     @classmethod
-    def open(cls, settings: Any, store: StoreDir, rank: int = 0, world: int = 1) -> RemoteTier:
+    def open(
+        cls,
+        settings: Any,
+        store: StoreDir,
+        rank: int = 0,
+        world: int = 1,
+        pause: Callable[[float], None] = time.sleep,
+    ) -> RemoteTier:
         tier = cls(open_remote(settings.remote), store, settings, rank, world)
-        if not store.journal.exists():
-            try:
-                tier.adopted_store_id = tier.journal.read().store_id
-            except Exception as err:
-                logger.warning("remote %s unreachable (%s); starting a new store", tier.url, _short(err))
+        if rank == 0 and not _usable_locally(store):
+            # Nothing to resume here (a new or wiped node): the remote may hold the whole run.
+            # Its store id is adopted before a local journal exists, so its checkpoints belong to
+            # this store; never a new id while the remote cannot be asked (start_wait.py).
+            tier.adopted_store_id = wait_for_remote(tier.journal.read, tier.url, settings, pause)
             if tier.adopted_store_id:
                 logger.info("remote %s: this store continues store %s", tier.url, tier.adopted_store_id)
         return tier
@@ -102,9 +112,9 @@ class RemoteTier:
 
     def _fetch(self, cand: Candidate) -> None:
         rec = cand.record
-        with file_lock(self.store.meta_root / GC_LOCK, shared=True):  # fetched blobs are no garbage
+        with self.store.lock(GC_LOCK, shared=True):  # fetched blobs are no garbage
             try:
-                if rec.event.get("parts") or self.world > 1:
+                if rec.parts or self.world > 1:
                     got = fetch_part(
                         self.remote,
                         self.store.storage,
@@ -192,6 +202,17 @@ class RemoteTier:
         finally:
             if self.replicator is not None:
                 self.replicator.stop()
+
+
+def _usable_locally(store: StoreDir) -> bool:
+    """Whether the local journal names a live checkpoint (then a remote that is down only
+    delays replication: restore falls back to the local copy)."""
+    if not store.journal.exists():
+        return False
+    try:
+        return bool(store.journal.read().live())
+    except Exception:
+        return False
 
 
 def _short(err: BaseException) -> str:

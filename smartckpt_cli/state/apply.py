@@ -73,7 +73,7 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
     saved = manifest["objects"]
     not_stored = set(manifest.get("not_stored", []))
     entries = manifest["entries"]
-    plan: list[tuple[Any, Any]] = []
+    plan: list[tuple[str, Any, Any]] = []
     # Sharded (DTensor) entries are rebuilt on the live model's mesh (same world size).
     mesh = next((m for _, o in objects.values() if (m := find_mesh(o.state_dict())) is not None), None)
     for name, (kind, obj) in objects.items():
@@ -110,12 +110,12 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 # optimizer re-initialises them at its next step.
                 sd["state"] = {}
             check_optimizer(name, sd, obj, saved[name].get("param_shapes"))
-        plan.append((obj, sd))
+        plan.append((name, obj, sd))
     # Another world size (engine/reshard.py): loader positions are carried by their own rules
     # and may still refuse, so they go first, before anything else has changed.
     resharded = manifest.get("resharded_from")
-    plan.sort(key=lambda item: not isinstance(item[0], LoaderState))
-    for obj, sd in plan:
+    plan.sort(key=lambda item: not isinstance(item[1], LoaderState))
+    for name, obj, sd in plan:
         try:
             if resharded is not None and isinstance(obj, LoaderState):
                 obj.load_state_dict(sd, world=int(resharded))
@@ -126,6 +126,10 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 load_stateful_loader(obj, sd, saved_world=int(resharded), world=_world())
                 continue
             obj.load_state_dict(sd)
+        except StateMismatchError as err:
+            if isinstance(obj, LoaderState):  # which loader: "data", "val_loader", ...
+                raise StateMismatchError(f"DataLoader '{name}': {err}") from None
+            raise
         except (RuntimeError, ValueError, KeyError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise StateMismatchError(f"loading into {type(obj).__name__} failed: {first}") from err

@@ -83,6 +83,35 @@ class _FirstIteration:
         return len(self.inner) if self._len is None else self._len
 
 
+def _identity(loader: DataLoader[Any]) -> dict[str, Any]:
+    """What the position means only for: the dataset's length and the sampler's kind."""
+    out: dict[str, Any] = {}
+    try:
+        out["dataset_len"] = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:  # an IterableDataset without a length
+        pass
+    sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    inner = getattr(sampler, "sampler", None)
+    out["sampler"] = type(sampler).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+    return out
+
+
+def _check_identity(state: dict[str, Any], loader: DataLoader[Any]) -> None:
+    """A position saved for one loader must not be loaded into another: the same dataset length
+    and the same kind of sampler, or StateMismatchError (states that do not record them pass)."""
+    live = _identity(loader)
+    saved_len, live_len = state.get("dataset_len"), live.get("dataset_len")
+    if saved_len is not None and live_len is not None and saved_len != live_len:
+        raise StateMismatchError(
+            f"its dataset has {live_len} samples, the checkpoint's loader had {saved_len}: another dataset"
+        )
+    saved_sampler = state.get("sampler")
+    if saved_sampler is not None and saved_sampler != live["sampler"]:
+        raise StateMismatchError(
+            f"its sampler is {live['sampler']}, the checkpoint's loader had {saved_sampler}"
+        )
+
+
 class _Counting:
     def __init__(self, it: Any, tracker: LoaderState) -> None:
         self._it, self._tracker = it, tracker
@@ -226,6 +255,7 @@ class LoaderState:
             return {"epochs": 0, "batches": 0, "generators": [], "sampler_epochs": [], "started": False}
         state = {"epochs": self.epochs, "batches": self.batches, "started": True, **self._epoch_start}
         state["world"] = self._world
+        state.update(_identity(self.loader))
         if self._dealing is not None:
             size = _batch_size(self.loader)
             samples = self._dealt if self._exhausted else min(self._dealt, self._base + self.batches * size)
@@ -243,6 +273,11 @@ class LoaderState:
         this world size (no ``DistributedSampler``, a user ``batch_sampler``, an old state)."""
         self._reshard_note = None
         started = bool(state.get("started"))
+        saved_world = state.get("world", world if world is not None else _live_world(self.loader))
+        if started and saved_world == _live_world(self.loader):
+            # The exact path: another dataset or sampler is refused, nothing loaded (another world
+            # size follows the elastic rules of _plan, which check what they need themselves).
+            _check_identity(state, self.loader)
         carry = self._plan(state, world) if started else None  # raises before anything changes
         self._pending, self._carry = (dict(state) if started else None), carry
         if started:

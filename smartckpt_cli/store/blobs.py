@@ -12,8 +12,8 @@ import mmap
 from collections.abc import Iterator, Sequence
 
 from smartckpt_cli.store.codec import blob_id, parts_id
-from smartckpt_cli.store.storage.base import Buffer, Storage
-from smartckpt_cli.store.storage.local import TMP_MARK, PendingWrite
+from smartckpt_cli.store.names import blob_rel, is_blob_id, is_temporary
+from smartckpt_cli.store.storage.base import Buffer, Pending, Storage
 
 __all__ = ["BlobStore"]
 
@@ -26,20 +26,22 @@ class BlobStore:
 
     @staticmethod
     def rel(bid: str) -> str:
-        return f"blobs/{bid[:2]}/{bid}"
+        return blob_rel(bid)
 
     def has(self, bid: str) -> bool:
         return self.storage.exists(self.rel(bid))
 
     def begin(
-        self, data: Buffer | Sequence[Buffer], bid: str | None = None
-    ) -> tuple[str, PendingWrite | None]:
+        self, data: Buffer | Sequence[Buffer], bid: str | None = None, *, rewrite: bool = False
+    ) -> tuple[str, Pending | None]:
         """Start storing ``data`` (one buffer, or pieces to be concatenated); returns (id, pending
         write), or (id, None) when the blob already exists. The caller finishes the pending
-        writes, then makes their directories durable (``sync_dirs``) before committing."""
+        writes, then makes their directories durable (``sync_dirs``) before committing.
+        ``rewrite``: write it although a file of that name exists (a damaged copy, which the new
+        file replaces atomically)."""
         if bid is None:
             bid = blob_id(data) if isinstance(data, bytes | bytearray | memoryview) else parts_id(data)
-        if self.has(bid):
+        if not rewrite and self.has(bid):
             return bid, None
         return bid, self.storage.begin(self.rel(bid), data)
 
@@ -62,27 +64,27 @@ class BlobStore:
             return f"hash mismatch in blob {bid}"
         return None
 
-    def _names(self) -> Iterator[tuple[str, str]]:
-        """(fan-out folder, file name) of everything under ``blobs/``. A stray file beside the
-        folders (a .DS_Store, a note) is not ours and must not stop garbage collection."""
+    def _fans(self) -> Iterator[str]:
+        """The fan-out folders (two hex digits). Anything else under ``blobs/`` (a .DS_Store, a
+        note) is not ours: never read, never removed, and it never stops garbage collection."""
         for fan in self.storage.list("blobs"):
-            try:
-                names = self.storage.list(f"blobs/{fan}")
-            except NotADirectoryError:
-                continue
-            for name in names:
-                yield fan, name
+            if len(fan) == 2 and all(c in "0123456789abcdef" for c in fan):
+                yield fan
 
     def all_ids(self) -> Iterator[str]:
-        for _, name in self._names():
-            if TMP_MARK not in name:
-                yield name
+        """Every blob in the store: only names that are blob ids, in the folder of their first two
+        digits; any other file there is left alone."""
+        for fan in self._fans():
+            for name in self.storage.list(f"blobs/{fan}"):
+                if is_blob_id(name) and name[:2] == fan:
+                    yield name
 
     def leftovers(self) -> Iterator[str]:
-        """Temporary files of writes that never completed (their process died)."""
-        for fan, name in self._names():
-            if TMP_MARK in name:
-                yield f"blobs/{fan}/{name}"
+        """Temporary files of blob writes that never completed (their process died)."""
+        for fan in self._fans():
+            for name in self.storage.leftovers(f"blobs/{fan}"):
+                if is_blob_id(name[:32]) and is_temporary(name, name[:32]):
+                    yield f"blobs/{fan}/{name}"
 
     def remove(self, bid: str) -> None:
         self.storage.remove(self.rel(bid))

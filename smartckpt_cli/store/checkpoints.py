@@ -25,15 +25,17 @@ def candidates(records: list[CheckpointRecord], *, include_unhealthy: bool = Fal
 
 
 def read_manifest(storage: Storage, record: CheckpointRecord, store_id: str | None) -> dict[str, Any]:
+    if record.invalid is not None:  # its names are not the format's: never opened
+        raise CheckpointCorrupt(record.invalid, tier="L1")
     try:
         data = storage.read(record.manifest)
     except FileNotFoundError as err:
         raise CheckpointCorrupt(
             f"step {record.step}: manifest {record.manifest} is missing", tier="L1"
         ) from err
-    except OSError as err:  # e.g. permissions changed since the save: skip it like damage
+    except OSError as err:  # permissions changed since the save, a symlink out: skip it like damage
         raise CheckpointCorrupt(
-            f"step {record.step}: manifest {record.manifest} is unreadable: {err.strerror}", tier="L1"
+            f"step {record.step}: manifest {record.manifest} is unreadable: {err.strerror or err}", tier="L1"
         ) from err
     if codec.blob_id(data) != record.manifest_hash:
         raise CheckpointCorrupt(f"step {record.step}: manifest {record.manifest} hash mismatch", tier="L1")

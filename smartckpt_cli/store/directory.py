@@ -6,20 +6,27 @@ journal on a shared SSD/NFS); by default it is ``dir`` itself.
 One writer per store: :class:`WriterLock` (``<meta_dir>/writer.lock``) is held by the manager
 that writes the store (rank 0 of several) from its start to ``close()``; ``smartckpt run`` takes
 it too before it appends a rollback for a dead child.
+
+Every file of a store is reached through its two :class:`~.storage.LocalStorage` backends (one
+for ``dir``, one for ``meta_dir``), which refuse any name that would leave their root.
+:func:`unsafe_layout` says what a store's own folders are when they are symlinks pointing
+outside it: a writer refuses such a store, read-only commands report it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from smartckpt_cli.errors import NotAStoreError, StoreLockedError, StoreNotFoundError
+from smartckpt_cli.errors import NotAStoreError, StoreLockedError, StoreNotFoundError, UnsafePathError
 from smartckpt_cli.store.blobs import BlobStore
-from smartckpt_cli.store.journal import JOURNAL, Journal
-from smartckpt_cli.store.storage.local import LocalStorage, file_lock
+from smartckpt_cli.store.journal import JOURNAL, JOURNAL_LOCK, Journal
+from smartckpt_cli.store.storage import LocalStorage, Storage
 
-__all__ = ["DIR_ID", "WRITER_LOCK", "StoreDir", "WriterLock", "open_store"]
+__all__ = ["DIR_ID", "WRITER_LOCK", "StoreDir", "WriterLock", "open_store", "unsafe_layout"]
 
 WRITER_LOCK = "writer.lock"
 # The identity of the disk a directory is on, written by the first multi-rank save there: ranks
@@ -37,40 +44,45 @@ class WriterLock:
     ``pid N on HOST``, for the refusal message. Two locks on one store conflict even inside one
     process (each opens the file anew)."""
 
-    def __init__(self, meta_root: Path, store_root: Path | None = None) -> None:
-        self.path = meta_root / WRITER_LOCK
-        self.store_root = store_root if store_root is not None else meta_root
-        self._fd: int | None = None
+    def __init__(self, meta: Storage | Path, store_root: Path | None = None) -> None:
+        if isinstance(meta, Path):
+            store_root = store_root if store_root is not None else meta
+            meta = LocalStorage(meta)
+        self.meta: Storage = meta
+        self.store_root = store_root if store_root is not None else Path(".")
+        self._held: contextlib.ExitStack | None = None
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._held is not None
 
     def acquire(self) -> None:
         """Take the lock; :class:`StoreLockedError` naming the holder when another writer has it."""
-        import fcntl
-
-        if self._fd is not None:
+        if self._held is not None:
             return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        stack = contextlib.ExitStack()
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
+            fd = stack.enter_context(self.meta.lock(WRITER_LOCK, blocking=False))
+        except BlockingIOError:
+            stack.close()
+            try:
+                holder = self.meta.read(WRITER_LOCK)[:64].decode(errors="replace").strip()
+            except OSError:
+                holder = ""
             raise StoreLockedError(
-                f"checkpoint store {self.store_root} is already being written by {holder}; "
-                "use another directory or stop that run"
+                f"checkpoint store {self.store_root} is already being written by "
+                f"{holder or 'another process'}; use another directory or stop that run"
             ) from None
+        assert fd is not None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
-        self._fd = fd
+        self._held = stack
 
     def release(self) -> None:
         """Let the lock go (nothing when not held)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def __enter__(self) -> WriterLock:
         self.acquire()
@@ -84,22 +96,61 @@ class WriterLock:
 class StoreDir:
     root: Path
     meta_root: Path
-    storage: LocalStorage
+    storage: LocalStorage  # dir: blobs, manifests
+    meta: LocalStorage  # meta_dir: journal, locks, status files
     blobs: BlobStore
     journal: Journal
 
     def ensure_journal(self, store_id: str | None = None) -> str:
         """The store id; creates the journal on first use (under a lock, once), with
         ``store_id`` when given (a store continued from its remote copy)."""
-        with file_lock(self.meta_root / "journal.lock"):
+        with self.meta.lock(JOURNAL_LOCK):
             state = self.journal.read()
             if state.store_id is not None:
                 return state.store_id
             return self.journal.create(store_id)
 
+    def lock(
+        self, name: str, *, shared: bool = False, blocking: bool = True
+    ) -> AbstractContextManager[int | None]:
+        """Hold one of the store's lock files in ``meta_dir`` (``gc.lock``, ``remote.lock``,
+        ``writer.lock``...): see :meth:`.storage.Storage.lock`."""
+        return self.meta.lock(name, shared=shared, blocking=blocking)
+
     def writer_lock(self) -> WriterLock:
         """This store's :class:`WriterLock` (not yet taken)."""
-        return WriterLock(self.meta_root, self.root)
+        return WriterLock(self.meta, self.root)
+
+    def refuse_unsafe_layout(self) -> None:
+        """Raise UnsafePathError (one line) when a folder of the store is a symlink pointing
+        outside it: nothing may be written or removed through it."""
+        found = unsafe_layout(self.root, self.meta_root)
+        if found:
+            raise UnsafePathError(f"{found[0]}; refusing to write to or remove from this store")
+
+
+_FOLDERS = ("blobs", "manifests")
+
+
+def unsafe_layout(root: Path, meta_root: Path | None = None) -> list[str]:
+    """What points outside the store among its own folders (``blobs/``, ``manifests/``, the fan-out
+    folders of ``blobs/``) and the journal: one line each; empty for a sound layout. A store
+    directory that is itself a symlink is the user's choice and fine."""
+    found: list[str] = []
+    real_root = os.path.realpath(root)
+    candidates = [root / name for name in _FOLDERS]
+    with contextlib.suppress(OSError):
+        candidates += [root / "blobs" / fan for fan in sorted(os.listdir(root / "blobs"))]
+    if meta_root is not None:
+        candidates.append(meta_root / JOURNAL)
+    for path in candidates:
+        if not path.is_symlink():
+            continue
+        target = os.path.realpath(path)
+        base = real_root if path.is_relative_to(root) else os.path.realpath(meta_root or root)
+        if target != base and not target.startswith(base.rstrip(os.sep) + os.sep):
+            found.append(f"{path} is a symlink to {target}, outside the store")
+    return found
 
 
 def open_store(
@@ -127,4 +178,6 @@ def open_store(
         raise NotAStoreError(f"{meta_root} is not a smartckpt checkpoint store (no {JOURNAL})")
     storage = LocalStorage(root)
     meta_storage = LocalStorage(meta_root)
-    return StoreDir(root, meta_root, storage, BlobStore(storage), Journal(meta_storage, meta_root))
+    return StoreDir(
+        root, meta_root, storage, meta_storage, BlobStore(storage), Journal(meta_storage, meta_root)
+    )

@@ -8,15 +8,23 @@ Each journal line is one JSON object with a ``crc`` field: the xxh3-64 of the li
 JSON without that field. A line that does not parse or whose crc does not match is reported and
 skipped: at the end of the file that is a torn write from a crash; elsewhere it is damage.
 The first line declares the format and version; an unknown version is refused.
+
+The crc proves a line whole, not that smartckpt wrote it (anyone can compute it). So replaying
+(:func:`replay`, shared with the remote journal) checks every name a line carries against the
+format's grammar (:mod:`.names`): a ``commit`` line naming a manifest that is not its own — an
+absolute path, ``../``, another checkpoint's — becomes a damaged checkpoint (``invalid``: never
+loaded, never pruned, its names never followed) and a journal problem, in one line that names the
+file, the field and the value.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +33,16 @@ import xxhash
 
 from smartckpt_cli._faults import crash, fault_active, fault_point
 from smartckpt_cli.errors import JournalError
-from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import file_lock
+from smartckpt_cli.store.manifest import check_manifest
+from smartckpt_cli.store.names import (
+    InvalidName,
+    Part,
+    check_store_id,
+    commit_names,
+    shown,
+)
+from smartckpt_cli.store.names import manifest_rel as manifest_rel
+from smartckpt_cli.store.storage import LocalStorage
 
 __all__ = [
     "JOURNAL",
@@ -37,7 +53,9 @@ __all__ = [
     "Journal",
     "JournalState",
     "fold",
+    "manifest_rel",
     "record_manifests",
+    "replay",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,10 +108,28 @@ class CheckpointRecord:
     pruned: bool = False
     rolled_back: bool = False
     event: dict[str, Any] = field(default_factory=dict)
+    # Several ranks: each rank's part as the commit line names it (checked); None for one process.
+    parts: tuple[Part, ...] | None = None
+    # Why the commit line's names are not the format's (then ``manifest`` and ``parts`` are
+    # empty: nothing it names is ever opened, removed or fetched); None for a sound line.
+    invalid: str | None = None
 
     @property
     def live(self) -> bool:
         return not self.pruned and not self.rolled_back
+
+    @property
+    def world_size(self) -> int:
+        return len(self.parts) if self.parts else 1
+
+    def manifests(self) -> list[str]:
+        """Every manifest this checkpoint consists of: its own, or each rank's part. Empty for
+        an invalid line: its names are never followed."""
+        if self.invalid is not None:
+            return []
+        if self.parts:
+            return [p.manifest for p in self.parts]
+        return [self.manifest]
 
 
 @dataclass
@@ -107,61 +143,157 @@ class JournalState:
         return [r for r in self.records if r.live]
 
 
-def fold(events: list[dict[str, Any]]) -> tuple[str | None, list[CheckpointRecord], list[dict[str, Any]]]:
+def _commit_record(ev: dict[str, Any], pos: int, where: str) -> CheckpointRecord:
+    """A commit line as a record; a line whose names fail the grammar becomes an *invalid* record
+    that keeps its step and id when they are sound (for inspect) and names nothing."""
+    try:
+        step, cid, manifest, mhash, parts = commit_names(ev, where)
+    except InvalidName as err:
+        raw_step, raw_id = ev.get("step"), ev.get("id")
+        return CheckpointRecord(
+            step=raw_step
+            if isinstance(raw_step, int) and not isinstance(raw_step, bool) and raw_step >= 0
+            else -1,
+            id=raw_id
+            if isinstance(raw_id, str) and 0 < len(raw_id) <= 64 and raw_id.isalnum()
+            else f"?{pos}",
+            manifest="",
+            manifest_hash="",
+            position=pos,
+            event=ev,
+            invalid=str(err),
+        )
+    score = ev.get("score")
+    return CheckpointRecord(
+        step=step,
+        id=cid,
+        manifest=manifest,
+        manifest_hash=mhash,
+        position=pos,
+        health=str(ev.get("health", "ok")),
+        reason=str(ev.get("reason", "")),
+        score=float(score) if isinstance(score, int | float) and not isinstance(score, bool) else None,
+        bytes_new=_int(ev.get("bytes_new")),
+        calm=bool(ev.get("calm", True)),
+        event=ev,
+        parts=parts,
+    )
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def fold(
+    events: list[dict[str, Any]], where: list[str] | None = None, problems: list[str] | None = None
+) -> tuple[str | None, list[CheckpointRecord], list[dict[str, Any]]]:
     """Pure: replay journal events into checkpoint records.
 
     ``rollback {to_step}`` marks every checkpoint committed before it with a larger step as rolled
     back; ``rollback {undo: true}`` reverses the newest rollback still in force. ``prune {ids}``
-    marks checkpoints whose files were (or are being) removed.
+    marks checkpoints whose files were (or are being) removed. ``where`` names each event's
+    origin (a journal line, a remote object) for the messages; a line whose fields do not fit the
+    format is reported in ``problems`` and, for a commit, becomes an invalid record.
     """
     store_id: str | None = None
     records: list[CheckpointRecord] = []
     by_id: dict[str, CheckpointRecord] = {}
     rollbacks: list[list[CheckpointRecord]] = []
     failures: list[dict[str, Any]] = []
+    found = problems if problems is not None else []
     for pos, ev in enumerate(events):
+        origin = where[pos] if where is not None else f"journal event {pos}"
         kind = ev.get("event")
         if kind == "init":
-            store_id = ev.get("store_id")
+            if store_id is None:
+                try:
+                    store_id = check_store_id(ev.get("store_id"), origin)
+                except InvalidName as err:
+                    found.append(str(err))
         elif kind == "commit":
-            rec = CheckpointRecord(
-                step=int(ev["step"]),
-                id=str(ev["id"]),
-                manifest=str(ev["manifest"]),
-                manifest_hash=str(ev["manifest_hash"]),
-                position=pos,
-                health=str(ev.get("health", "ok")),
-                reason=str(ev.get("reason", "")),
-                score=ev.get("score"),
-                bytes_new=int(ev.get("bytes_new", 0)),
-                calm=bool(ev.get("calm", True)),
-                event=ev,
-            )
+            rec = _commit_record(ev, pos, origin)
+            if rec.invalid is not None:
+                found.append(rec.invalid)
             records.append(rec)
-            by_id[rec.id] = rec
+            if rec.invalid is None:
+                by_id[rec.id] = rec
         elif kind == "rollback":
-            if ev.get("undo"):
+            if ev.get("undo") is True:
                 if rollbacks:
                     for rec in rollbacks.pop():
                         rec.rolled_back = False
-            else:
-                hit = [r for r in records if r.step > int(ev["to_step"]) and not r.rolled_back]
-                for rec in hit:
-                    rec.rolled_back = True
-                rollbacks.append(hit)
+                continue
+            to_step = ev.get("to_step")
+            if isinstance(to_step, bool) or not isinstance(to_step, int):
+                found.append(f"{origin}: rollback field to_step {shown(to_step)} is not a step; line ignored")
+                continue
+            hit = [r for r in records if r.step > to_step and not r.rolled_back]
+            for rec in hit:
+                rec.rolled_back = True
+            rollbacks.append(hit)
         elif kind == "prune":
-            for cid in ev.get("ids", []):
-                if cid in by_id:
+            ids = ev.get("ids", [])
+            if not isinstance(ids, list):
+                found.append(f"{origin}: prune field ids {shown(ids)} is not a list; line ignored")
+                continue
+            for cid in ids:
+                if isinstance(cid, str) and cid in by_id:
                     by_id[cid].pruned = True
         elif kind == "save_failed":
             failures.append(ev)
     return store_id, records, failures
 
 
+def replay(
+    decoded: list[tuple[str, dict[str, Any] | None]], source: str, torn_tail: bool = False
+) -> tuple[JournalState, list[dict[str, Any]]]:
+    """The journal state from decoded lines: one home for the local journal and the remote one.
+    ``decoded`` holds, in order, each line's origin (``journal.jsonl line 3``, a remote object's
+    name) and its event (None: unreadable, or its crc does not match). With ``torn_tail`` an
+    unreadable *last* line is what a crash mid-append leaves (a torn line); anywhere else it is
+    damage. Refuses (JournalError) what is not a smartckpt journal or is of a newer version."""
+    events: list[dict[str, Any]] = []
+    where: list[str] = []
+    problems: list[str] = []
+    for n, (origin, ev) in enumerate(decoded, start=1):
+        if ev is None:
+            what = "torn last line" if torn_tail and n == len(decoded) else "damaged line"
+            problems.append(f"{origin}: {what}, skipped")
+            continue
+        events.append(ev)
+        where.append(origin)
+    if decoded and not events:
+        raise JournalError(f"{source} is not a smartckpt journal (no readable line)")
+    if events:
+        head = events[0]
+        if head.get("event") != "init" or head.get("format") != JOURNAL_FORMAT:
+            raise JournalError(f"{source} is not a smartckpt journal (no init line)")
+        version = head.get("v", 0)
+        if isinstance(version, bool) or not isinstance(version, int) or version > JOURNAL_VERSION:
+            raise JournalError(
+                f"{source} has journal version {shown(version)}, newer than this smartckpt "
+                f"understands ({JOURNAL_VERSION}); upgrade smartckpt"
+            )
+    store_id, records, failures = fold(events, where, problems)
+    _warn_once(problems)
+    return JournalState(store_id, records, problems, failures), events
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(problems: list[str]) -> None:
+    # A process reads the journal after every commit: each problem is logged once, not each time.
+    for p in problems:
+        if p not in _warned:
+            _warned.add(p)
+            logger.warning("journal: %s", p)
+
+
 class Journal:
     """``journal.jsonl`` in ``meta_dir``. Appends are made by the single writing process."""
 
-    def __init__(self, storage: Storage, meta_root: Path) -> None:
+    def __init__(self, storage: LocalStorage, meta_root: Path) -> None:
         self.storage = storage
         self.path = meta_root / JOURNAL
 
@@ -192,64 +324,36 @@ class Journal:
         created), so a line another process is appending at this moment is never seen half
         written and reported as torn."""
         try:
-            raw = self._read_bytes(consistent)
+            with self.storage.lock(JOURNAL_LOCK, shared=True, create=False) if consistent else _nothing():
+                raw = self.storage.read(JOURNAL)
         except FileNotFoundError:
             return JournalState(None, [], [], []), []
         except OSError as err:
-            raise JournalError(f"cannot read journal {self.path}: {err.strerror}") from err
+            raise JournalError(f"cannot read journal {self.path}: {err.strerror or err}") from err
         lines = raw.split(b"\n")
-        if lines[-1] == b"":  # a complete file ends with a newline
-            lines = lines[:-1]
-        events: list[dict[str, Any]] = []
-        problems: list[str] = []
-        for n, line in enumerate(lines, start=1):
-            ev = decode_line(line)
-            if ev is None:
-                # A bad final line is what a crash mid-append leaves; anywhere else it is damage.
-                what = "torn last line" if n == len(lines) else "corrupt line"
-                problems.append(f"{self.path}: {what} {n} skipped")
-                continue
-            events.append(ev)
-        if raw and not events:
-            raise JournalError(f"{self.path} is not a smartckpt journal (no readable line)")
-        if events:
-            head = events[0]
-            if head.get("event") != "init" or head.get("format") != JOURNAL_FORMAT:
-                raise JournalError(f"{self.path} is not a smartckpt journal (no init line)")
-            if int(head.get("v", 0)) > JOURNAL_VERSION:
-                raise JournalError(
-                    f"{self.path} has journal version {head.get('v')}, newer than this smartckpt "
-                    f"understands ({JOURNAL_VERSION}); upgrade smartckpt"
-                )
-        for p in problems:
-            logger.warning("journal: %s", p)
-        store_id, records, failures = fold(events)
-        return JournalState(store_id, records, problems, failures), events
-
-    def _read_bytes(self, consistent: bool) -> bytes:
-        if not consistent:
-            return self.path.read_bytes()
-        try:
-            fd = os.open(self.path.parent / JOURNAL_LOCK, os.O_RDONLY)
-        except OSError:
-            return self.path.read_bytes()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            return self.path.read_bytes()
-        finally:
-            os.close(fd)
+        whole = lines[-1] == b""  # a complete file ends with a newline
+        lines = lines[:-1] if whole else lines
+        decoded = [(f"{self.path} line {n}", decode_line(line)) for n, line in enumerate(lines, start=1)]
+        if not whole:
+            # A line is appended with its newline in one write; a last line without it was cut
+            # short (a crash, a short write on a full disk), even when its crc matches: it is a
+            # torn line, not a commit, for every reader, and the next append cuts it off.
+            decoded[-1] = (decoded[-1][0], None)
+        return replay(decoded, str(self.path), torn_tail=True)
 
     def _drop_torn_tail(self) -> None:
-        """A writer that died mid-append leaves an unterminated last line. It never committed
-        anything (its crc cannot match), so the one writing process cuts it off before
-        appending; left in place it would read as damage in the middle of the journal."""
+        """A writer that died mid-append (or a short write) leaves an unterminated last line. A
+        line without its newline is never a commit for any reader (``read_events``), so the one
+        writing process cuts it off before appending: the next line starts on a line of its own,
+        and nothing committed is ever cut. Left in place it would read as damage in the middle."""
+        path = self.storage.path(JOURNAL)
         try:
-            size = self.path.stat().st_size
+            size = path.stat().st_size
         except FileNotFoundError:
             return
         if not size:
             return
-        with open(self.path, "rb+") as f:
+        with open(path, "rb+") as f:
             f.seek(size - 1)
             if f.read(1) == b"\n":
                 return
@@ -268,7 +372,7 @@ class Journal:
         ``rollback`` and the supervisor may append to the same journal, and cutting a torn tail
         must never cut another process's line that is being written at that moment."""
         line = encode_line(event)
-        with file_lock(self.path.parent / JOURNAL_LOCK):
+        with self.storage.lock(JOURNAL_LOCK):
             self._drop_torn_tail()
             if fault_active("journal.half_line"):
                 self.storage.append(JOURNAL, line[: len(line) // 2])
@@ -291,10 +395,6 @@ def _last_newline_end(f: Any, size: int) -> int:
     return 0
 
 
-def manifest_rel(step: int, cid: str) -> str:
-    return f"manifests/{step:012d}-{cid}.json"
-
-
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -306,14 +406,22 @@ def decode_manifest(data: bytes, where: str) -> dict[str, Any]:
         raise ValueError(f"manifest {where} is not valid JSON") from err
     if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"{where} is not a smartckpt manifest")
-    if int(obj.get("version", 0)) > MANIFEST_VERSION:
+    version = obj.get("version", 0)
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
         raise ValueError(
-            f"manifest {where} has version {obj.get('version')}, newer than this smartckpt "
+            f"manifest {where} has version {version!r:.20}, newer than this smartckpt "
             f"understands ({MANIFEST_VERSION})"
         )
+    check_manifest(obj, f"manifest {where}")  # names and shape; InvalidName is a ValueError
     return obj
 
 
-def record_manifests(event: dict[str, Any], manifest: str) -> list[str]:
-    """Every manifest a commit line names: its own and, for a multi-rank commit, each rank's part."""
-    return [manifest] + [p[0] for p in event.get("parts", []) if p[0] != manifest]
+def record_manifests(record: CheckpointRecord) -> list[str]:
+    """Every manifest a committed checkpoint consists of (checked names; none for an invalid
+    line): :meth:`CheckpointRecord.manifests`."""
+    return record.manifests()
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield None

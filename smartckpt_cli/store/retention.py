@@ -10,16 +10,14 @@ blobs of a checkpoint being written are never taken for garbage.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 from smartckpt_cli._faults import fault_point
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.store.blobs import BlobStore
-from smartckpt_cli.store.journal import CheckpointRecord, Journal, record_manifests
+from smartckpt_cli.store.journal import CheckpointRecord, Journal, decode_manifest
+from smartckpt_cli.store.names import is_manifest_file, is_temporary
 from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import file_lock
 
 __all__ = ["GC_LOCK", "collect_garbage", "collect_garbage_locked", "prune", "select_prunable"]
 
@@ -33,7 +31,10 @@ def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[Che
     saves taken while the trigger saw a risk (a precursor of a spike) must not evict the last
     known-good state. Unhealthy checkpoints never count towards ``keep_last``, so they can never
     push a healthy one out; they go once a newer healthy one exists. Rolled-back checkpoints are
-    kept: a rollback can be undone."""
+    kept: a rollback can be undone. A checkpoint whose commit line names things outside the
+    format (``invalid``) is never pruned: it names nothing that may be removed, and it stays
+    visible as damage."""
+    records = [r for r in records if r.invalid is None]
     live = sorted((r for r in records if r.live and r.health == "ok"), key=lambda r: r.position)
     keep = max(1, keep_last)
     calm = [r for r in live if r.calm]
@@ -44,10 +45,11 @@ def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[Che
 
 
 def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
-    """Blobs a kept manifest references. A manifest that cannot be read stops garbage collection
-    (raises): treating it as referencing nothing would delete the blobs of a live checkpoint."""
+    """Blobs a kept manifest references. A manifest that cannot be read or names a blob outside
+    the format stops garbage collection (raises): treating it as referencing nothing would delete
+    the blobs of a live checkpoint."""
     try:
-        manifest = json.loads(storage.read(rel))
+        manifest = decode_manifest(storage.read(rel), rel)
     except FileNotFoundError:
         return set()  # already gone: there is nothing left of it to protect
     except (OSError, ValueError) as err:
@@ -68,13 +70,14 @@ def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *,
     )
     fault_point("prune.in_progress")
     for rec in doomed:
-        for rel in record_manifests(rec.event, rec.manifest):
+        for rel in rec.manifests():  # checked names only; none for an invalid line
             storage.remove(rel)
 
 
-def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal, meta_root: Path) -> int:
-    """Remove unreferenced blobs, uncommitted manifests and dead temp files; returns bytes freed."""
-    with file_lock(meta_root / GC_LOCK):
+def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal) -> int:
+    """Remove unreferenced blobs, uncommitted manifests and dead temp files; returns bytes freed.
+    Holds ``gc.lock`` (in the journal's directory) exclusively."""
+    with journal.storage.lock(GC_LOCK):
         return collect_garbage_locked(storage, blobs, journal)
 
 
@@ -84,14 +87,18 @@ def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal)
     state = journal.read()
     kept = [r for r in state.records if not r.pruned]
     # A multi-rank commit names one part manifest per rank; those on this disk are kept too.
-    kept_manifests = {m for r in kept for m in record_manifests(r.event, r.manifest)}
+    kept_manifests = {m for r in kept for m in r.manifests()}
     referenced: set[str] = set()
     for rel in kept_manifests:
         referenced |= _manifest_blobs(storage, rel)
+    # Only files the format makes are ever removed: a note or a stray file in manifests/ is not ours.
     for name in storage.list("manifests"):
         rel = f"manifests/{name}"
-        if rel not in kept_manifests:
+        if is_manifest_file(name) and rel not in kept_manifests:
             storage.remove(rel)
+    for name in storage.leftovers("manifests"):
+        if is_temporary(name) and is_manifest_file(name.split(".tmp.", 1)[0]):
+            storage.remove(f"manifests/{name}")
     for bid in list(blobs.all_ids()):
         if bid not in referenced:
             freed += blobs.size(bid)

@@ -118,19 +118,26 @@ class RunDir:
             name = os.path.basename(path)
             with contextlib.suppress(ValueError, OSError):
                 pid = int(name.split(".")[1])
+                if pid <= 0 or not name.split(".")[1].isdigit():
+                    continue  # not a pid a process wrote (-1 would address every process)
                 if name not in self._before or os.path.getmtime(path) >= self._since:
                     out.append((path, pid))
         return out
 
     def beats(self) -> list[proto.Beat]:
-        """The heartbeats of this attempt's live processes (a finished or dead rank's last beat
-        would look like a hang)."""
+        """The heartbeats of this attempt's live processes (a dead rank's last beat would look
+        like a hang), DONE ones included: the caller tells finished from training."""
         out = []
         for path, pid in self._files("heartbeat.*"):
             beat = proto.read_heartbeat(path, pid)
-            if beat is not None and beat.state != proto.DONE and alive(pid):
+            if beat is not None and alive(pid):
                 out.append(beat)
         return out
+
+    def reports(self) -> list[dict[str, Any]]:
+        """What this attempt's processes said they did (``report.<pid>.json``)."""
+        found = [proto.read_json(path) for path, _ in self._files("report.*.json")]
+        return [r for r in found if r is not None]
 
     def max_step(self) -> int | None:
         """The highest step any of this attempt's processes reported, dead or alive."""

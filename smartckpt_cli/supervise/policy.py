@@ -22,11 +22,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from smartckpt_cli.errors import EXIT_REMOTE_UNREACHABLE as _EXIT_REMOTE
+
 __all__ = [
     "BACKOFF_CAP",
     "BACKOFF_FACTOR",
     "EXIT_CRASH_LOOP",
     "EXIT_GAVE_UP",
+    "EXIT_REMOTE_UNREACHABLE",
     "FIRST_STEP_TIMEOUT",
     "HANG_FACTOR",
     "HANG_FLOOR",
@@ -45,6 +48,8 @@ __all__ = [
 # Exit codes of ``smartckpt run`` besides the child's own (see the command's help).
 EXIT_GAVE_UP = 3  # --max-restarts reached
 EXIT_CRASH_LOOP = 4  # the same failure after a rollback: stopped with a diagnosis
+# nothing to resume locally, the remote unreachable for remote_start_wait (errors.RemoteStartRefused)
+EXIT_REMOTE_UNREACHABLE = _EXIT_REMOTE
 
 BACKOFF_FACTOR = 2.0
 BACKOFF_CAP = 300.0  # seconds
@@ -128,6 +133,10 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     err = end.error or {}
     etype, emsg = str(err.get("type", "")), str(err.get("message", ""))
     text = f"{etype}: {emsg}" if etype else ""
+    if etype.rsplit(".", 1)[-1] == "RemoteStartRefused":
+        # The child waited remote_start_wait for the remote and refused to start over at step 0:
+        # a restart now would wait again; the operator decides (run again, or start fresh).
+        return Outcome("stop", "remote-unreachable", _short(emsg, 400), EXIT_REMOTE_UNREACHABLE)
     if etype:
         pat = _matches(list(patterns), text)
         if pat is not None:

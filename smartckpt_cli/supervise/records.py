@@ -26,7 +26,7 @@ from typing import Any
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.store.directory import WRITER_LOCK
 from smartckpt_cli.store.journal import Journal
-from smartckpt_cli.store.storage.local import LocalStorage, file_lock
+from smartckpt_cli.store.storage import LocalStorage
 from smartckpt_cli.supervise.policy import estimate_mtbf
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "StoreView",
     "learned_mtbf",
     "new_run_id",
+    "read_records",
+    "runs_without_checkpoints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,22 @@ class AttemptRecord:
     attempt: int
     pid: int
     started: float  # wall time (time.time)
-    start_step: int  # the newest live checkpoint when it started (what it restores)
+    newest_checkpoint: int = 0  # the newest live checkpoint when it started (what a restore loads)
+    # What the child itself reported (report.<pid>.json): the step the script really began at
+    # (None: it never said, e.g. it died first or runs without smartckpt), where it was restored
+    # from ("disk", "remote"; None: nothing restored), and the resume check's verdict
+    # ({"step", "verdict": "exact" | "close" | "differs", "expected", "got"}).
+    start_step: int | None = None
+    restored_from: str | None = None
+    resume_check: dict[str, Any] | None = None
+    began_again: str = ""  # why it began at step 0 although a checkpoint existed
+    no_optimizer: bool = False  # backward passes, but no torch.optim optimizer ever stepped
+    # What went wrong while it trained, as the child reported it: zero-code checkpointing that
+    # turned itself off ({"why", "step"}), failed background saves ({"count", "last", "step"}),
+    # the newest write on the loop's path that failed ({"what", "error"}).
+    checkpointing_off: dict[str, Any] | None = None
+    save_failures: dict[str, Any] | None = None
+    io_error: dict[str, Any] | None = None
     ended: float = 0.0
     max_step: int | None = None  # highest step a heartbeat reported (None: no heartbeat)
     max_committed: int | None = None  # newest step committed during the attempt
@@ -69,11 +86,16 @@ class AttemptRecord:
     cause: str = ""
     error: dict[str, Any] | None = None
     stacks: str | None = None  # the stack dump taken before a hang kill
-    restart_from: int | None = None  # the checkpoint the next attempt restores
+    restart_from: int | None = None  # the step the next attempt began at (restored, or 0)
     steps_lost: int | None = None
     seconds_lost: float | None = None
     delay: float = 0.0  # backoff before the next attempt
     rollback_to: int | None = None
+
+    @property
+    def began(self) -> int:
+        """The step it began at: reported, else the checkpoint a restore would have loaded."""
+        return self.start_step if self.start_step is not None else self.newest_checkpoint
 
 
 @dataclass
@@ -124,9 +146,39 @@ def read_records(directory: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             logger.warning("run record %s is unreadable; ignored", p)
             continue
-        if isinstance(data, dict):
-            out.append(data)
+        if not isinstance(data, dict):
+            logger.warning("run record %s is not a run record; ignored", p)
+            continue
+        attempts = data.get("attempts", [])
+        if not isinstance(attempts, list) or not all(isinstance(a, dict) for a in attempts):
+            logger.warning("run record %s: attempts is not a list of attempts; ignored", p)
+            continue
+        out.append(data)
     return out
+
+
+def runs_without_checkpoints(directory: str | os.PathLike[str]) -> str | None:
+    """The line for a directory that holds run records but no checkpoint store (no journal):
+    what ran there and why nothing was checkpointed, when the records say; None when there
+    are no run records either."""
+    try:
+        records = read_records(directory)
+    except OSError:  # an unreadable directory: the caller's own error says so
+        return None
+    if not records:
+        return None
+    last = max(records, key=lambda r: r.get("started") or 0)
+    attempts = [a for r in records for a in r.get("attempts") or [] if isinstance(a, dict)]
+    line = (
+        f"{directory} holds the records of {len(records)} run(s) of `smartckpt run` (runs/) but no "
+        "checkpoint: none was ever committed there"
+    )
+    if any(a.get("no_optimizer") for a in attempts):
+        line += (
+            "; the training never stepped a torch.optim optimizer, and zero-code checkpointing needs "
+            "one (for a hand-written update, use a CheckpointManager in the script)"
+        )
+    return line + f"; last run {last.get('run_id')}: {last.get('outcome')}"
 
 
 def learned_mtbf(directory: str | os.PathLike[str], current: RunRecord | None = None) -> float | None:
@@ -143,7 +195,8 @@ class StoreView:
     def __init__(self, directory: str | os.PathLike[str], meta_dir: str | os.PathLike[str] | None) -> None:
         self.root = Path(directory)
         self.meta_root = Path(meta_dir) if meta_dir else self.root
-        self.journal = Journal(LocalStorage(self.meta_root), self.meta_root)
+        self.meta = LocalStorage(self.meta_root)
+        self.journal = Journal(self.meta, self.meta_root)
 
     def _records(self) -> list[Any]:
         try:
@@ -156,6 +209,11 @@ class StoreView:
         """Step of the newest live, healthy checkpoint (what a restart restores); 0 if none."""
         live = candidates(self._records())
         return live[0].step if live else 0
+
+    def newest(self) -> Any:
+        """The newest live, healthy checkpoint's journal record; None if none."""
+        live = candidates(self._records())
+        return live[0] if live else None
 
     def live_steps(self) -> list[int]:
         """Steps of the live healthy checkpoints, newest first."""
@@ -176,7 +234,7 @@ class StoreView:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with file_lock(self.meta_root / WRITER_LOCK, blocking=False):
+                with self.meta.lock(WRITER_LOCK, blocking=False):
                     self.journal.append(
                         {"event": "rollback", "to_step": int(to_step), "why": why, "by": "smartckpt run"}
                     )

@@ -17,15 +17,17 @@ __all__ = ["crash_loop_diagnosis", "record_lost", "roll_back", "wait_to_restart"
 
 
 def record_lost(att: AttemptRecord, step_seen: dict[int, float]) -> None:
-    """Steps and wall time the restart throws away: from the checkpoint it restores to the
-    attempt's death (the whole attempt when it never reached that checkpoint). ``step_seen``:
-    when a heartbeat first showed each step."""
-    frm = att.restart_from if att.restart_from is not None else att.start_step
+    """Steps and wall time the restart throws away: from the step the next attempt begins at
+    (``att.restart_from``: the checkpoint it restores, or 0 when it begins again) to the attempt's
+    death; every step it trains again counts. The seconds are the attempt's own from the moment
+    it passed that step (all of it when it began past it). ``step_seen``: when a heartbeat first
+    showed each step."""
+    frm = att.restart_from if att.restart_from is not None else att.began
     if att.max_step is not None:
         att.steps_lost = max(0, att.max_step - frm)
     # The first time a heartbeat showed the restored step or later (polls skip fast steps).
     seen = [t for step, t in step_seen.items() if step >= frm]
-    reached = min(seen) if seen and frm >= att.start_step else None
+    reached = min(seen) if seen and frm >= att.began else None
     att.seconds_lost = att.ended - (reached if reached is not None else att.started)
 
 
@@ -33,7 +35,7 @@ def roll_back(store: StoreView, att: AttemptRecord, crash_loop: int, emit: Emit)
     """Roll the journal back past the checkpoint the crash loop restarts from: the next attempt
     restores the one before it (that checkpoint is kept, marked)."""
     steps = store.live_steps()
-    bad = att.start_step
+    bad = att.began
     prev = next((s for s in steps if s < bad), 0)
     why = f"crash loop: {crash_loop} attempts died without getting past the checkpoint of step {bad}"
     store.rollback(prev, why)
@@ -46,13 +48,13 @@ def crash_loop_diagnosis(
 ) -> str:
     """The message (and the run record's diagnosis) when a crash loop stops the run: where the
     attempts die, what killed them, and where to look. ``mark``: ``CrashLoop.mark``."""
-    stuck = [a for a in attempts if a.start_step == att.start_step or a.rollback_to is not None]
+    stuck = [a for a in attempts if a.began == att.began or a.rollback_to is not None]
     causes = sorted({a.cause for a in attempts[-crash_loop - 1 :] if a.cause})
     where = f"step {att.max_step}" if att.max_step is not None else "an unknown step"
     rb = next((a.rollback_to for a in reversed(attempts) if a.rollback_to is not None), None)
     text = (
         f"crash loop: attempts keep dying at {where} without getting past the checkpoint of step "
-        f"{mark if mark is not None else att.start_step}"
+        f"{mark if mark is not None else att.began}"
     )
     if rb is not None:
         text += f"; rolling back to step {rb} did not help"

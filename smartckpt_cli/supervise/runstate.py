@@ -10,9 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from smartckpt_cli.config import Settings
+from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.supervise.monitor import Usage
 
-__all__ = ["Emit", "RunOptions", "RunState"]
+__all__ = ["Emit", "RunOptions", "RunState", "trouble_text"]
 
 Emit = Callable[[str, str], None]  # (level, message): level is a logging level's name, lower case
 
@@ -24,6 +25,7 @@ class RunOptions:
     sources: dict[str, str] = field(default_factory=dict)  # load_settings' sources
     run_id: str | None = None
     first_attempt: int = 0
+    resume_finished: bool = False  # start the command even when its last run finished
     poll: float = 0.2
     # Where the child's output goes: None = inherited (straight to our stdout/stderr); a callable
     # gets each line (stdout and stderr merged), so a live panel can print above itself.
@@ -49,5 +51,18 @@ class RunState:
     checkpoint_seen: float | None = None  # wall time the supervisor first saw that checkpoint
     checkpoints_taken: int = 0
     hang_timeout: float | None = None
+    trouble: int = 0  # the protocol's trouble flags, of any rank's heartbeat
+    trouble_detail: dict[int, str] = field(default_factory=dict)  # flag -> why, once reported
     usage: Usage = field(default_factory=Usage)
     started: float = field(default_factory=time.time)
+
+
+def trouble_text(st: RunState) -> str | None:
+    """What goes wrong now, for the status line and the panel: each trouble flag a heartbeat
+    carries, with the child's reason where its report gave one; None when all is well."""
+    parts = []
+    for flag, name in proto.TROUBLE_NAMES.items():
+        if st.trouble & flag:
+            why = st.trouble_detail.get(flag)
+            parts.append(f"{name} ({why})" if why else name)
+    return "; ".join(parts) or None

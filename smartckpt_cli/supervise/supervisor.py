@@ -32,10 +32,22 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from smartckpt_cli.config import public_settings
 from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.hooks import _smartckpt_protocol as proto
+from smartckpt_cli.redact import redact_argv
 from smartckpt_cli.supervise.child import RunDir, child_env, hooks_dir, interpreter_flags_warning
+from smartckpt_cli.supervise.childreport import (
+    lead_report,
+    learn,
+    predicted_start,
+    script_name,
+    start_line,
+    trouble_lines,
+    trouble_summary,
+)
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
 from smartckpt_cli.supervise.policy import (
@@ -54,6 +66,7 @@ from smartckpt_cli.supervise.records import (
     StoreView,
     learned_mtbf,
     new_run_id,
+    read_records,
 )
 from smartckpt_cli.supervise.restarts import crash_loop_diagnosis, record_lost, roll_back, wait_to_restart
 from smartckpt_cli.supervise.runstate import Emit, RunOptions, RunState
@@ -75,9 +88,11 @@ class Supervisor:
         self.dir = Path(self.s.dir).resolve()
         self.run_dir = self.dir / RUNS_DIR / self.run_id
         self.store = StoreView(self.dir, self.s.meta_dir)
-        self.record = RunRecord(self.run_id, list(options.command), str(self.dir), time.time())
+        # What is written and shown never holds a secret of the command line (--hf-token=...).
+        shown = redact_argv(list(options.command))
+        self.record = RunRecord(self.run_id, shown, str(self.dir), time.time())
         self.record.settings = public_settings(self.s)
-        self.state = RunState(run_id=self.run_id, command=" ".join(options.command))
+        self.state = RunState(run_id=self.run_id, command=" ".join(shown))
         self.gpu = GpuMonitor()
         self.crash = CrashLoop(limit=self.s.crash_loop)
         self.signals = Forwarder(self.state, self.s.grace_period, self.emit)
@@ -85,10 +100,18 @@ class Supervisor:
         self._step_seen: dict[int, float] = {}
         self._last_pids: set[int] = set()
         self._last_usage: Usage | None = None
+        self._script = script_name(list(options.command))
+        self._report: dict[str, Any] | None = None  # what the current attempt's child said it did
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:
+        done = self._already_finished()
+        if done is not None:
+            self.emit("info", done)
+            self.record.outcome, self.record.exit_code = "finished", 0
+            self.state.phase = "finished"
+            return 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._slurm_job()
         self._start_position = self.store.position()
@@ -104,6 +127,29 @@ class Supervisor:
             self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
             self._save_record()
             self.state.phase = "finished"
+
+    def _already_finished(self) -> str | None:
+        """The same command again on a store whose last run finished with a final checkpoint:
+        a loop that tests its end after a step (``while True`` with its own counter) would
+        train one more step every time. Nothing to do, unless ``resume_finished``."""
+        if self.opts.resume_finished:
+            return None
+        newest = self.store.newest()
+        if newest is None or newest.reason != "final":
+            return None
+        runs = sorted(read_records(self.dir), key=lambda r: r.get("started") or 0)
+        last = runs[-1] if runs else None
+        if (
+            last is None
+            or last.get("outcome") != "finished"
+            or last.get("command") != list(self.opts.command)
+        ):
+            return None
+        return (
+            f"the training in {self.dir} already finished: run {last.get('run_id')} ended at step "
+            f"{newest.step} with its final checkpoint; nothing to do (to train on from it, pass "
+            "--resume-finished; to start over, use another --dir)"
+        )
 
     def _slurm_job(self) -> None:
         """Under SLURM the first attempt number is SLURM_RESTART_COUNT (one record per job run)."""
@@ -143,14 +189,16 @@ class Supervisor:
                 return self._finish("stopped", outcome.exit_code, f"child {outcome.cause}")
             if outcome.action == "preempted":
                 return self._preempted(outcome.exit_code, outcome.cause)
+            if outcome.action == "stop" and outcome.category == "remote-unreachable":
+                return self._finish("remote-unreachable", outcome.exit_code, outcome.cause, "error")
             if outcome.action == "stop":
                 return self._finish(
                     "failed", outcome.exit_code, f"not restarting: the child {outcome.cause}", "error"
                 )
             # restart
-            max_committed = att.max_committed if att.max_committed is not None else att.start_step
-            verdict = self.crash.record(att.start_step, max_committed)
-            failures_in_row = 1 if max_committed > att.start_step else failures_in_row + 1
+            max_committed = att.max_committed if att.max_committed is not None else att.began
+            verdict = self.crash.record(att.began, max_committed)
+            failures_in_row = 1 if max_committed > att.began else failures_in_row + 1
             if verdict == "stop":
                 return self._finish(
                     "crash-loop",
@@ -160,7 +208,9 @@ class Supervisor:
                 )
             if verdict == "rollback":
                 roll_back(self.store, att, self.s.crash_loop, self.emit)
-            att.restart_from = self.store.newest_step()
+            # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
+            # not restore through start_step() (corrected once the next one reports).
+            att.restart_from = predicted_start(self._report, self.store.newest_step())
             record_lost(att, self._step_seen)
             if self.record.restarts >= self.s.max_restarts:
                 return self._finish(
@@ -171,9 +221,10 @@ class Supervisor:
                 )
             att.delay = backoff(failures_in_row, self.s.restart_backoff)
             lost = f"{att.steps_lost} step(s), " if att.steps_lost is not None else ""
+            at = f" at step {att.max_step}" if att.max_step is not None else ""
             self.emit(
                 "warning",
-                f"attempt {att.attempt} {outcome.cause}; lost {lost}{att.seconds_lost or 0:.1f} s of work; "
+                f"attempt {att.attempt} {outcome.cause}{at}; lost {lost}{att.seconds_lost or 0:.1f} s of work; "
                 f"restarting from step {att.restart_from} in {att.delay:.1f} s "
                 f"(restart {self.record.restarts + 1} of at most {self.s.max_restarts})",
             )
@@ -205,12 +256,15 @@ class Supervisor:
         if outcome in ("crash-loop", "failed", "gave-up"):
             self.record.diagnosis = message
         self.emit(level, message)
+        trouble = trouble_summary(self.record.attempts)
+        if trouble:  # a run that "finished" without checkpoints must not read as a clean one
+            self.emit("warning", f"during this run: {trouble}")
         return code
 
     # ------------------------------------------------------------------ one attempt
 
     def _attempt(self, attempt: int) -> tuple[AttemptRecord, AttemptEnd]:
-        start_step = self.store.newest_step()
+        start_step = self.store.newest_step()  # what a restore would load; the child says
         position = self.store.position()
         t_start = time.time()
         files = RunDir(self.run_dir)
@@ -239,10 +293,13 @@ class Supervisor:
             stderr=subprocess.STDOUT if pipe else None,
         )
         relay_thread = relay(proc, self.opts.output)
-        att = AttemptRecord(attempt, proc.pid, t_start, start_step)
+        att = AttemptRecord(attempt, proc.pid, t_start, newest_checkpoint=start_step)
+        self._report = None
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
-        self.emit("info", f"attempt {attempt}: started pid {proc.pid} (restores step {start_step})")
+        self.state.trouble, self.state.trouble_detail = 0, {}
+        newest = f" (newest checkpoint: step {start_step})" if start_step else ""
+        self.emit("info", f"attempt {attempt}: started pid {proc.pid}{newest}")
         fwd = self.signals
         fwd.preempt, fwd.stopping_since = None, None
         tree = TreeMonitor(proc.pid)
@@ -264,11 +321,16 @@ class Supervisor:
                 self.emit("warning", f"grace period of {self.s.grace_period:g} s over: killing the child")
                 killpg(proc.pid, signal.SIGKILL)
                 fwd.stopping_since = float("inf")
-            beats = files.beats()
+            seen = files.beats()
+            # A process that said DONE has finished training (what follows it, an evaluation or
+            # saving the model, is no hang): it counts as a heartbeat, not as a step.
+            beats = [b for b in seen if b.state != proto.DONE]
             hooks = files.hooks_pids()
             self.state.hooks_live = bool(hooks)
             if beats:
                 observe(beats, clock, now, att, step_seen, self.state)
+            elif seen:
+                self.state.heartbeat, self.state.child_state = True, "done"
             elif time.time() - t_start > HOOKS_GRACE and not warned_beat:
                 warned_beat = True
                 self.emit(
@@ -291,8 +353,11 @@ class Supervisor:
             if beats and fwd.stop is None and not hung and clock.hung(now):
                 hung = True
                 hang_kill(proc.pid, clock, att, hooks, files, self.emit)
+            if att.start_step is None:  # where it began: said as soon as the child says it
+                self._hear(att, files)
             if now - last_sample >= 1.0:
                 last_sample = now
+                self._hear(att, files)
                 usage = tree.sample()
                 self.gpu.sample(usage, set(tree.pids()))
                 pids.update(tree.pids())
@@ -301,6 +366,7 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
+        self._hear(att, files)
         if relay_thread is not None:
             relay_thread.join(timeout=5.0)  # the rest of the output (orphans may keep the pipe open)
         last = files.max_step()
@@ -314,6 +380,7 @@ class Supervisor:
         if proc.returncode != 0:
             killpg(proc.pid, signal.SIGKILL)
         committed = self.store.commits_since(position)
+        start_step = att.began
         att.max_committed = max([*committed, start_step])
         self._checkpoint_seen(position)
         error = files.error()
@@ -331,6 +398,43 @@ class Supervisor:
         stop = fwd.stop if fwd.stop is not None and fwd.stopping_since is not None else None
         end = AttemptEnd(proc.returncode, progressed, error, hung, stop, fwd.preempt, oom)
         return att, end
+
+    def _hear(self, att: AttemptRecord, files: RunDir) -> None:
+        """What the child says it did (report.<pid>.json): into the record, and said once."""
+        report = lead_report(files.reports())
+        if report is None:
+            return
+        self._report = report
+        new = learn(att, report, self._script)
+        self._trouble_detail(att)
+        for level, text in trouble_lines(att, new):
+            self.emit(level, text)
+        if "start" not in new:
+            return
+        prev = self.record.attempts[-1] if self.record.attempts else None
+        if prev is not None and att.start_step is not None and prev.restart_from != att.start_step:
+            # the restart began elsewhere than expected: what the dead attempt lost is counted again
+            prev.restart_from = att.start_step
+            record_lost(prev, self._step_seen)
+            self._save_record()
+        said = start_line(att, report, self._script, prev)
+        if said is not None:
+            self.emit(*said)
+
+    def _trouble_detail(self, att: AttemptRecord) -> None:
+        """The reasons behind the heartbeat's trouble flags, for the status line."""
+        detail = self.state.trouble_detail
+        detail.clear()
+        if att.checkpointing_off is not None:
+            detail[proto.CHECKPOINTING_OFF] = (
+                f"since step {att.checkpointing_off.get('step')}: {att.checkpointing_off.get('why')}"
+            )
+        if att.save_failures is not None:
+            detail[proto.SAVE_FAILING] = (
+                f"{att.save_failures.get('count')} failed, last: {att.save_failures.get('last')}"
+            )
+        if att.io_error is not None:
+            detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"
 
     def _checkpoint_seen(self, position: int) -> None:
         newest = self.store.newest_step()

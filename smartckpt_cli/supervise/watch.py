@@ -53,11 +53,14 @@ def observe(
 ) -> None:
     """One poll's heartbeats: the slowest rank's step to the hang clock, the leader's to the view."""
     step = min(b.step for b in beats)
-    paused = any(b.state in (proto.SAVING, proto.RESTORING) for b in beats)
+    paused = any(b.state in (proto.SAVING, proto.RESTORING, proto.WAITING) for b in beats)
     clock.observe(step, paused, now)
     lead = min(beats, key=lambda b: (b.rank if b.rank >= 0 else 0, b.pid))
     state.heartbeat = True
     state.step, state.child_state = step, lead.state_name
+    state.trouble = 0
+    for b in beats:
+        state.trouble |= b.trouble
     state.loss = lead.loss if lead.loss == lead.loss else None
     att.max_step = max(att.max_step or 0, step)
     seen.setdefault(step, time.time())
@@ -73,7 +76,9 @@ def hang_kill(
         f"the child hangs: no progress past step {clock.last_step} for "
         f"{clock.timeout() or 0:.0f} s (hang timeout); dumping stacks and killing it",
     )
-    live = [p for p in hooks if alive(p)]
+    # Only processes of the child's own process group: the pids come from file names in the run
+    # directory, and a file planted there must not make the supervisor signal anyone else.
+    live = [p for p in hooks if alive(p) and _in_group(p, pid)]
     for p in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, getattr(signal, proto.STACK_SIGNAL_NAME))
@@ -91,3 +96,10 @@ def hang_kill(
     else:
         emit("warning", "no stack dump: the hooks are not live in the hung process")
     killpg(pid, signal.SIGKILL)
+
+
+def _in_group(pid: int, group: int) -> bool:
+    try:
+        return os.getpgid(pid) == group
+    except OSError:
+        return False

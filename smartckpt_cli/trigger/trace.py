@@ -9,18 +9,27 @@ thin under the filtered one; last, so that readers by position keep working).
 ``smartckpt simulate`` replays these files (older ones, without ``update``, ``memory`` or
 ``raw_loss``, too).
 Lines are buffered and appended at each save and at close: a crash loses at most the lines since
-the last save, never the file's earlier content.
+the last save, never the file's earlier content. A write that fails (a full disk, a read-only
+mount) never raises into the training loop: the lines stay buffered (the newest
+:data:`MAX_BUFFERED`), the failure is reported once through ``on_error`` and the recovery once
+through ``on_recovered``, and the next flush writes what was kept.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from smartckpt_cli.trigger.reading import SignalReading
 
-__all__ = ["COLUMNS", "TraceWriter"]
+__all__ = ["COLUMNS", "MAX_BUFFERED", "TraceWriter"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BUFFERED = 100_000  # lines kept while the trace cannot be written (a few MB)
 
 COLUMNS = (
     "step",
@@ -41,10 +50,19 @@ def _num(x: float | None) -> str:
 
 
 class TraceWriter:
-    def __init__(self, meta_root: Path) -> None:
+    def __init__(
+        self,
+        meta_root: Path,
+        *,
+        on_error: Callable[[OSError], None] | None = None,
+        on_recovered: Callable[[], None] | None = None,
+    ) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.path = meta_root / "traces" / f"{stamp}-{os.getpid()}.csv"
         self._lines: list[str] = []
+        self._on_error, self._on_recovered = on_error, on_recovered
+        self.failing: OSError | None = None  # the error of the last flush, while it lasts
+        self.dropped = 0  # lines dropped because the buffer was full while failing
 
     def add(self, reading: SignalReading, score: float | None, decision: str) -> None:
         self._lines.append(
@@ -65,12 +83,42 @@ class TraceWriter:
         )
 
     def flush(self) -> None:
+        """Append the buffered lines; never raises (module docstring)."""
         if not self._lines:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists()
-        with open(self.path, "a") as f:
-            if new:
-                f.write(",".join(COLUMNS) + "\n")
-            f.write("\n".join(self._lines) + "\n")
+        try:
+            self._write()
+        except OSError as err:
+            if len(self._lines) > MAX_BUFFERED:
+                self.dropped += len(self._lines) - MAX_BUFFERED
+                del self._lines[:-MAX_BUFFERED]
+            if self.failing is None:
+                self.failing = err
+                logger.warning("trace %s not written (%s); training goes on, kept in memory", self.path, err)
+                if self._on_error is not None:
+                    self._on_error(err)
+            return
         self._lines.clear()
+        if self.failing is not None:
+            self.failing = None
+            logger.warning("trace %s written again", self.path)
+            if self._on_recovered is not None:
+                self._on_recovered()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.fstat(fd).st_size
+            head = ",".join(COLUMNS) + "\n" if start == 0 else ""
+            view = memoryview((head + "\n".join(self._lines) + "\n").encode())
+            try:
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                # A partial append (the disk filled mid-write) is cut off: the next flush writes
+                # these lines again, and the file never holds half a line.
+                os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)

@@ -13,8 +13,9 @@ directory, rename, unlink. The real operations still happen, so the save complet
   it; later name operations may each be kept or lost, independently (which covers reordering).
 
 Per prefix it yields: everything kept (what the running process saw), only the durable part, each
-pending name operation dropped alone and kept alone, each pending file content lost or cut in
-half, and a few seeded random mixtures. States are deduplicated by their full content.
+pending name operation dropped alone and kept alone, each pending file content lost, cut in
+half, cut at a seeded point (a short write) or missing only its final newline (a line written
+whole but for its ``\n``), and a few seeded random mixtures. States are deduplicated by their full content.
 
 Assumption, not explored: directories created by ``mkdir`` (``blobs/ab``) survive a crash; the
 storage layer does not fsync their parent (ext4 and XFS commit a new directory with the fsync of
@@ -253,6 +254,17 @@ def _content(m: _Model, inode: int, base: bytes, mode: str, rng: random.Random) 
             _apply(full, w.offset, w.data)
         cut = len(data) + (len(full) - len(data)) // 2
         data = full[:cut]
+    elif mode in ("no-newline", "short"):
+        # What a short write leaves (a full disk, NFS, FUSE): the pending bytes applied, then cut
+        # just before the final newline, or at a seeded point anywhere in them.
+        full = bytearray(data)
+        for w in pending:
+            _apply(full, w.offset, w.data)
+        if mode == "no-newline":
+            cut = len(full) - 1 if full.endswith(b"\n") else len(full)
+        else:
+            cut = len(data) + rng.randrange(max(1, len(full) - len(data)))
+        data = full[:cut]
     elif mode == "random":  # a random subset of pending writes, each maybe cut short; holes are zeros
         for w in pending:
             r = rng.random()
@@ -327,6 +339,8 @@ def crash_states(
         for ino in pending_inodes:
             variants.append((f"lose-data-{ino}", all_pending, {ino: "durable"}, "full"))
             variants.append((f"half-data-{ino}", all_pending, {ino: "half"}, "full"))
+            variants.append((f"no-newline-{ino}", all_pending, {ino: "no-newline"}, "full"))
+            variants.append((f"short-write-{ino}", all_pending, {ino: "short"}, "full"))
         for r in range(random_per_prefix):
             keep = {i for i in pending_names if rng.random() < 0.5}
             variants.append((f"random-{r}", keep, {}, "random"))

@@ -1,5 +1,5 @@
 """A deterministic multi-rank CPU training script (gloo) with an explicit CheckpointManager, for
-``tests/test_distributed.py``. Run it under ``python -m torch.distributed.run --nproc_per_node 2``.
+``tests/test_distributed.py``. Run it under ``python -m torch.distributed.run --nproc_per_node N`` (2, 3, 4).
 
 Arguments:
   --mode ddp|fsdp     DistributedDataParallel, or FSDP2 (``fully_shard``: DTensor shards)
@@ -16,6 +16,8 @@ Arguments:
   --step-time S       extra seconds per step (default 0)
   --zero-code         no CheckpointManager: the loop starts at smartckpt_cli.start_step() and the
                       hooks of ``smartckpt run`` checkpoint every rank
+  --bucket-cap-kb K   DDP's bucket_cap_mb as K KiB (small: several gradient buckets)
+  --comm-hook         register DDP's allreduce communication hook on the reducer
 
 Output per rank: ``rank R start S``, ``rank R step N loss HEX``, ``rank R done N``. The
 ``--dir``/``--every`` flags are optional under ``smartckpt run`` (its environment sets them).
@@ -60,6 +62,8 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--zero-code", action="store_true")
+    p.add_argument("--bucket-cap-kb", type=float, default=None)
+    p.add_argument("--comm-hook", action="store_true")
     args = p.parse_args()
     first_attempt = os.environ.get(proto.ENV_ATTEMPT, "0") == "0"
 
@@ -72,7 +76,12 @@ def main() -> int:
     )
     model: torch.nn.Module
     if args.mode == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(net)
+        cap = {} if args.bucket_cap_kb is None else {"bucket_cap_mb": args.bucket_cap_kb / 1024}
+        model = torch.nn.parallel.DistributedDataParallel(net, **cap)
+        if args.comm_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

@@ -5,7 +5,8 @@ The Trainer is told to save every 5 steps (``save_strategy="steps"``): under sma
 must not happen (no ``checkpoint-*`` folders).
 
 Arguments: --out DIR (the Trainer's output_dir), --max-steps N (default 24), --kill-at K (SIGKILL
-itself at the end of step K, on the first attempt only).
+itself at the end of step K, on the first attempt only), --grad-accum N (gradient accumulation
+steps, default 1: each step's micro-batches print a ``loss`` line each).
 Output: ``loss STEP HEX`` for every training step (float.hex of the loss), ``global_step N`` and
 ``done`` at the end.
 """
@@ -70,6 +71,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=24)
     p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--grad-accum", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -88,6 +90,7 @@ def main() -> None:
         output_dir=a.out,
         max_steps=a.max_steps,
         per_device_train_batch_size=8,
+        gradient_accumulation_steps=a.grad_accum,
         learning_rate=1e-3,
         lr_scheduler_type="linear",
         warmup_steps=3,

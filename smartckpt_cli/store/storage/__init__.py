@@ -1,6 +1,8 @@
-"""Storage backends: where bytes go. They know nothing of checkpoints or policy."""
+"""Storage backends: where bytes go. They know nothing of checkpoints or policy; they refuse any
+name that would leave their root. Everything outside this package uses :class:`Storage` (and
+constructs :class:`LocalStorage`), never the backend's internals."""
 
-from smartckpt_cli.store.storage.base import Storage
-from smartckpt_cli.store.storage.local import LocalStorage, file_lock
+from smartckpt_cli.store.storage.base import Pending, Storage
+from smartckpt_cli.store.storage.local import LocalStorage
 
-__all__ = ["LocalStorage", "Storage", "file_lock"]
+__all__ = ["LocalStorage", "Pending", "Storage"]

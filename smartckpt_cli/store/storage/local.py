@@ -2,7 +2,12 @@
 
 The rename is what makes a file appear; the directory fsync is what makes the rename survive a
 power cut. Temporary names carry the pid so leftovers of a killed process are recognisable and
-collected later (``*.tmp.*``).
+collected later (``<name>.tmp.<pid>.<n>``).
+
+Every relative name is checked (:func:`~smartckpt_cli.store.names.check_rel`) and resolved before
+use: a name that would land outside the root — through ``..``, an absolute name, or a symlink
+planted inside the store (``blobs/`` pointing at someone's home) — is refused with
+:class:`~smartckpt_cli.errors.UnsafePathError`, for reading, writing and deleting alike.
 """
 
 from __future__ import annotations
@@ -15,19 +20,21 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from smartckpt_cli._faults import fault_point
+from smartckpt_cli.errors import UnsafePathError
+from smartckpt_cli.store.names import TMP_MARK, InvalidName, check_rel, is_temporary
 from smartckpt_cli.store.storage.base import Buffer
 
-__all__ = ["TMP_MARK", "LocalStorage", "PendingWrite", "file_lock"]
+__all__ = ["LocalStorage", "PendingWrite", "file_lock"]
 
 logger = logging.getLogger(__name__)
 
-TMP_MARK = ".tmp."
 _counter = itertools.count()
 
 
@@ -44,9 +51,42 @@ class LocalStorage:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._root_str = str(self.root)
+        self._real_root: str | None = None
 
     def path(self, rel: str) -> Path:
-        return self.root / rel
+        """The path of ``rel`` under the root, once it is known to stay there: the name passes
+        the grammar's generic rule and its resolved form (symlinks followed) is inside the
+        resolved root. Raises UnsafePathError otherwise."""
+        try:
+            check_rel(rel)
+        except InvalidName as err:
+            raise UnsafePathError(f"{self.root}: {err}; refused") from None
+        path = self.root / rel
+        # Walk the name's components below the root: a symlink among them is followed (realpath)
+        # and must land inside the resolved root. One lstat per component, not realpath's walk
+        # of the whole absolute path: this runs for every blob a save or a restore touches.
+        probe = self._root_str
+        for part in rel.split("/"):
+            probe = f"{probe}/{part}"
+            try:
+                mode = os.lstat(probe).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                break  # nothing below a missing component exists yet
+            if stat.S_ISLNK(mode):
+                self._check_link(path)
+                break
+        return path
+
+    def _check_link(self, path: Path) -> None:
+        if self._real_root is None:
+            self._real_root = os.path.realpath(self.root)
+        real, root = os.path.realpath(path), self._real_root
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafePathError(
+                f"{path} resolves to {real}, outside the store {self.root} (a symlink pointing "
+                "outside); refused"
+            )
 
     def begin(self, rel: str, data: Buffer | Sequence[Buffer]) -> PendingWrite:
         """First half of an atomic write: the bytes go to a temporary file and the kernel starts
@@ -70,7 +110,8 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return PendingWrite(fd, tmp, final, "blob" if rel.startswith("blobs/") else "manifest")
+        kind = "blob" if rel.startswith("blobs/") else "manifest" if rel.startswith("manifests/") else "file"
+        return PendingWrite(fd, tmp, final, kind)
 
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
         pending = self.begin(rel, data)
@@ -95,12 +136,29 @@ class LocalStorage:
             _fsync_dir(self.path(d))
 
     def append(self, rel: str, data: bytes) -> None:
+        """Append every byte of ``data`` and fsync, or fail leaving the file as it was.
+
+        ``os.write`` may write less than asked (a full disk, NFS, FUSE): it is called until every
+        byte is written. When a write or the fsync fails, the file is cut back to its size before
+        the append, so a line that is not durable is never left for a reader to take as whole."""
         path = self.path(rel)
         created = not path.exists()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            before = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"append to {path} wrote nothing")
+                    view = view[n:]
+                os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+                    os.fsync(fd)
+                raise
         finally:
             os.close(fd)
         if created:
@@ -115,17 +173,34 @@ class LocalStorage:
     def size(self, rel: str) -> int:
         return self.path(rel).stat().st_size
 
-    def list(self, rel_dir: str) -> list[str]:
+    def _names(self, rel_dir: str) -> list[str]:
         try:
             return sorted(os.listdir(self.path(rel_dir)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def leftovers(self, rel_dir: str) -> list[str]:
+        return [n for n in self._names(rel_dir) if is_temporary(n)]
+
+    def list(self, rel_dir: str) -> list[str]:
+        return [n for n in self._names(rel_dir) if not is_temporary(n)]
 
     def remove(self, rel: str) -> None:
         try:
             os.unlink(self.path(rel))
         except FileNotFoundError:
             pass
+
+    @contextlib.contextmanager
+    def lock(
+        self, name: str, *, shared: bool = False, blocking: bool = True, create: bool = True
+    ) -> Iterator[int | None]:
+        path = self.path(name)
+        if not create and not path.exists():
+            yield None
+            return
+        with file_lock(path, shared=shared, blocking=blocking) as fd:
+            yield fd
 
 
 class PendingWrite:

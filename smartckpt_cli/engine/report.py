@@ -1,0 +1,56 @@
+"""What this process tells ``smartckpt run`` beyond its heartbeat: ``<run_dir>/report.<pid>.json``
+(the contract is ``hooks/_smartckpt_protocol.py``'s).
+
+The facts only the training process knows: the step the script really began at and where it
+was restored from (``start_step``, ``restored_from``, ``checkpoint``, ``lineage``), whether the
+script called ``start_step()`` (and whether too early), the resume check's verdict, a training
+whose backward passes no ``torch.optim`` optimizer ever follows (``no_optimizer``). The
+supervisor prints and records them; it never guesses them from the store.
+
+The file is rewritten whole (tmp + rename) when a fact is added: a handful of times per process,
+never on a step's path. Outside ``smartckpt run`` (no ``SMARTCKPT_RUN_DIR``) nothing is written.
+A leaf, like :mod:`.heartbeat`: the engine and the agent both report through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from smartckpt_cli.engine.heartbeat import protocol, run_dir
+
+__all__ = ["report", "reported"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_facts: dict[str, Any] = {}
+_pid = -1
+
+
+def report(**facts: Any) -> None:
+    """Add ``facts`` to this process's report (a later value replaces an earlier one) and rewrite
+    the file; nothing outside ``smartckpt run``. Never raises: a report that cannot be written
+    must not stop training."""
+    global _facts, _pid
+    with _lock:
+        if _pid != os.getpid():  # a forked child reports for itself
+            _facts, _pid = {}, os.getpid()
+        _facts.update(facts)
+        where = run_dir()
+        if where is None:
+            return
+        payload = {"pid": _pid, "rank": int(os.environ.get("RANK", "-1") or -1), **_facts}
+        try:
+            proto = protocol()
+            proto.write_json(proto.report_path(where, _pid), payload)
+        except (OSError, TypeError, ValueError) as err:
+            logger.debug("report not written: %s", err)
+
+
+def reported() -> dict[str, Any]:
+    """What this process has reported so far (also outside ``smartckpt run``)."""
+    with _lock:
+        return dict(_facts) if _pid == os.getpid() else {}

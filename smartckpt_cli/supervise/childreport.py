@@ -1,0 +1,173 @@
+"""What the training child says it did (``report.<pid>.json``; the contract is
+``hooks/_smartckpt_protocol.py``'s), turned into the attempt's record and the lines ``smartckpt
+run`` prints. The supervisor never guesses where a script began from the store: a script that
+does not call ``start_step()`` begins again at step 0 whatever checkpoints exist, and only the
+child knows whether it restored.
+
+Pure: the supervisor reads the files (``RunDir.reports``) and prints what these return.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from smartckpt_cli.supervise.records import AttemptRecord
+
+__all__ = [
+    "began_again",
+    "lead_report",
+    "learn",
+    "predicted_start",
+    "script_name",
+    "start_line",
+    "trouble_lines",
+    "trouble_summary",
+]
+
+FIX_CALL = (
+    "add one line after the model and optimizer are built, `start = smartckpt_cli.start_step()`, "
+    'and count the loop from `start` (README, section "Your loop")'
+)
+FIX_EARLY = 'call smartckpt_cli.start_step() after building the model, optimizer and schedulers (README, section "Your loop")'
+
+
+def script_name(command: list[str]) -> str:
+    """The training script as a user names it: ``train.py`` of ``python train.py ...``."""
+    for arg in command[1:] if command and not command[0].endswith(".py") else command:
+        if arg.endswith(".py"):
+            return os.path.basename(arg)
+    return "the script"
+
+
+def lead_report(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The report that speaks for the attempt: rank 0's (or the one process's)."""
+    if not reports:
+        return None
+    return min(reports, key=lambda r: (max(int(r.get("rank", -1) or -1), 0), int(r.get("pid", 0) or 0)))
+
+
+def began_again(report: dict[str, Any], script: str) -> tuple[str, str]:
+    """(why a script began at step 0 although a checkpoint existed, the fix)."""
+    if report.get("start_step_early"):
+        return f"{script} calls smartckpt_cli.start_step() before its optimizer exists", FIX_EARLY
+    if report.get("start_step_called") is False:
+        return f"{script} does not call smartckpt_cli.start_step()", FIX_CALL
+    return "nothing was restored", "see the child's output above for why"
+
+
+def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
+    """Take what ``report`` says into ``att``; returns what is new: ``"start"`` (where it began
+    is known now), ``"check"`` (a resume check verdict), ``"no_optimizer"``."""
+    new = []
+    start = report.get("start_step")
+    if att.start_step is None and isinstance(start, int) and not isinstance(start, bool):
+        att.start_step = start
+        att.restored_from = report.get("restored_from")
+        if start == 0 and att.restored_from is None and att.newest_checkpoint > 0:
+            att.began_again = began_again(report, script)[0]
+        new.append("start")
+    check = report.get("resume_check")
+    if isinstance(check, dict) and att.resume_check != check:
+        att.resume_check = check
+        new.append("check")
+    if report.get("no_optimizer") and not att.no_optimizer:
+        att.no_optimizer = True
+        new.append("no_optimizer")
+    for key in ("checkpointing_off", "save_failures", "io_error"):
+        value = report.get(key)
+        # io_error turns null when writing works again: the record keeps the last one seen.
+        # What is new is what was never seen in this attempt: said once, then kept current.
+        if isinstance(value, dict) and value != getattr(att, key):
+            if getattr(att, key) is None:
+                new.append(key)
+            setattr(att, key, value)
+    return new
+
+
+def trouble_lines(att: AttemptRecord, new: list[str]) -> list[tuple[str, str]]:
+    """The (level, line)s for what went wrong that ``new`` (from :func:`learn`) brings."""
+    lines = []
+    if "checkpointing_off" in new and att.checkpointing_off is not None:
+        off = att.checkpointing_off
+        lines.append(
+            (
+                "error",
+                f"attempt {att.attempt}: zero-code checkpointing turned itself off at step {off.get('step')} "
+                f"({off.get('why')}); training goes on WITHOUT checkpoints: a crash from now on loses "
+                "everything after the last checkpoint",
+            )
+        )
+    if "save_failures" in new and att.save_failures is not None:
+        lines.append(
+            (
+                "warning",
+                f"attempt {att.attempt}: background saves fail ({att.save_failures.get('last')}); "
+                "training goes on and the next trigger tries again",
+            )
+        )
+    if "io_error" in new and att.io_error is not None:
+        lines.append(
+            (
+                "warning",
+                f"attempt {att.attempt}: cannot write its {att.io_error.get('what')} "
+                f"({att.io_error.get('error')}); training goes on",
+            )
+        )
+    return lines
+
+
+def trouble_summary(attempts: list[AttemptRecord]) -> str:
+    """What went wrong during the run, for the exit summary ("" when nothing did)."""
+    notes = []
+    for att in attempts:
+        if att.checkpointing_off is not None:
+            notes.append(
+                f"attempt {att.attempt} trained without checkpoints from step "
+                f"{att.checkpointing_off.get('step')} (zero-code checkpointing off: {att.checkpointing_off.get('why')})"
+            )
+        if att.save_failures is not None:
+            notes.append(
+                f"attempt {att.attempt}: {att.save_failures.get('count')} background save(s) failed "
+                f"(last: {att.save_failures.get('last')})"
+            )
+        if att.io_error is not None:
+            notes.append(
+                f"attempt {att.attempt}: could not write its {att.io_error.get('what')} "
+                f"({att.io_error.get('error')})"
+            )
+    return "; ".join(notes)
+
+
+def start_line(
+    att: AttemptRecord, report: dict[str, Any], script: str, lost: AttemptRecord | None
+) -> tuple[str, str] | None:
+    """(level, line) saying where an attempt really began, once it is known; None when there is
+    nothing worth a line (a first start with nothing to restore). ``lost``: the attempt before,
+    its lost work already counted from where this one began."""
+    if att.start_step is None:
+        return None
+    if att.restored_from is not None:
+        return (
+            "info",
+            f"attempt {att.attempt}: resumed at step {att.start_step} (restored from {att.restored_from})",
+        )
+    if not att.began_again:
+        return None
+    cause, fix = began_again(report, script)
+    what = ""
+    if lost is not None and lost.steps_lost is not None:
+        what = f"; it trains {lost.steps_lost} step(s) again (lost: {lost.steps_lost} step(s), {lost.seconds_lost or 0:.1f} s)"
+    return (
+        "warning",
+        f"attempt {att.attempt} began again at step 0, not at the checkpoint of step "
+        f"{att.newest_checkpoint}: {cause}{what}. Fix: {fix}",
+    )
+
+
+def predicted_start(report: dict[str, Any] | None, newest: int) -> int:
+    """Where the next attempt of the same script will begin: 0 when this one did not restore
+    through ``start_step()`` (the next one will not either), else the newest checkpoint."""
+    if report is not None and (report.get("start_step_called") is False or report.get("start_step_early")):
+        return 0
+    return newest
