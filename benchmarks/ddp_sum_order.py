@@ -12,7 +12,7 @@ N of ``--ranks``:
    count of final weights (rank 0's 1,153) that differ from ``full``; the same with
    ``find_unused_parameters=True`` (DDP then never rebuilds its buckets).
 
-    python benchmarks/ddp_sum_order.py [--ranks 2 3 4]
+    python benchmarks/ddp_sum_order.py [--ranks 2 3 4] [--json benchmarks/results/ddp_sum_order.json]
 """
 
 from __future__ import annotations
@@ -138,9 +138,16 @@ def main() -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--what", default="gloo", help=argparse.SUPPRESS)
     ap.add_argument("--unused", action="store_true", help=argparse.SUPPRESS)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _record  # benchmarks/_record.py, beside this script
+
+    _record.add_json_argument(ap, "ddp_sum_order")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    import torch  # noqa: F401  (the result file names its version)
+
+    rec = _record.start("ddp_sum_order")
     if min(args.ranks) < 2:
         ap.error("--ranks of at least 2")
     print("ranks | gloo: sums that differ with the layout (of 4096) | DDP weights (of 1153) differing "
@@ -160,6 +167,30 @@ def main() -> int:
             f"{n} | {gloo} | {found[False][0]} / {found[False][1]} | {found[True][0]} / {found[True][1]}",
             flush=True,
         )
+        rec.add(
+            f"gloo_differ_{n}",
+            gloo,
+            "count",
+            f"gloo: sums of 4,096 that differ with another layout, {n} ranks",
+        )
+        for unused, tag in ((False, ""), (True, "unused_")):
+            how = ", find_unused_parameters=True" if unused else ""
+            rec.add(
+                f"{tag}resume_differ_{n}",
+                found[unused][0],
+                "count",
+                f"DDP: final weights of 1,153 differing after a resume as it comes{how}, {n} ranks",
+            )
+            rec.add(
+                f"{tag}relaid_differ_{n}",
+                found[unused][1],
+                "count",
+                f"DDP: the same with the recorded bucket layout given back{how}, {n} ranks",
+            )
+    rec.details["ranks"] = args.ranks
+    rec.notes.append("counts do not depend on the machine's speed; gloo on the CPU")
+    rec.write(args.json)
+    print(f"wrote {args.json}")
     return 0
 
 
