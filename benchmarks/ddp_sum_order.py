@@ -138,16 +138,15 @@ def main() -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--what", default="gloo", help=argparse.SUPPRESS)
     ap.add_argument("--unused", action="store_true", help=argparse.SUPPRESS)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _record  # benchmarks/_record.py, beside this script
-
-    _record.add_json_argument(ap, "ddp_sum_order")
+    ap.add_argument(
+        "--json",
+        default=str(ROOT / "benchmarks" / "results" / "ddp_sum_order.json"),
+        help="the result file (default: benchmarks/results/ddp_sum_order.json)",
+    )
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    import torch  # noqa: F401  (the result file names its version)
-
-    rec = _record.start("ddp_sum_order")
+    figures: list[tuple[str, int, str]] = []
     if min(args.ranks) < 2:
         ap.error("--ranks of at least 2")
     print("ranks | gloo: sums that differ with the layout (of 4096) | DDP weights (of 1153) differing "
@@ -167,26 +166,23 @@ def main() -> int:
             f"{n} | {gloo} | {found[False][0]} / {found[False][1]} | {found[True][0]} / {found[True][1]}",
             flush=True,
         )
-        rec.add(
-            f"gloo_differ_{n}",
-            gloo,
-            "count",
-            f"gloo: sums of 4,096 that differ with another layout, {n} ranks",
+        figures.append(
+            (f"gloo_differ_{n}", gloo, f"gloo: sums of 4,096 that differ with another layout, {n} ranks")
         )
         for unused, tag in ((False, ""), (True, "unused_")):
             how = ", find_unused_parameters=True" if unused else ""
-            rec.add(
-                f"{tag}resume_differ_{n}",
-                found[unused][0],
-                "count",
-                f"DDP: final weights of 1,153 differing after a resume as it comes{how}, {n} ranks",
-            )
-            rec.add(
-                f"{tag}relaid_differ_{n}",
-                found[unused][1],
-                "count",
-                f"DDP: the same with the recorded bucket layout given back{how}, {n} ranks",
-            )
+            what = f"DDP: final weights of 1,153 differing after a resume as it comes{how}, {n} ranks"
+            figures.append((f"{tag}resume_differ_{n}", found[unused][0], what))
+            what = f"DDP: the same with the recorded bucket layout given back{how}, {n} ranks"
+            figures.append((f"{tag}relaid_differ_{n}", found[unused][1], what))
+    # The result file once every run is done: a worker launched after smartckpt_cli's ops were
+    # imported here ended in "terminate called without an active exception".
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _record  # benchmarks/_record.py, beside this script
+
+    rec = _record.start("ddp_sum_order")
+    for key, value, what in figures:
+        rec.add(key, value, "count", what)
     rec.details["ranks"] = args.ranks
     rec.notes.append("counts do not depend on the machine's speed; gloo on the CPU")
     rec.write(args.json)
