@@ -106,9 +106,11 @@ def cost(s: Any) -> list[str]:
     cols = _columns(s)
     out = [_row(["", *(title for title, _ in cols)]), _row(["---"] * (len(cols) + 1))]
     rows: list[tuple[str, Callable[[tuple[str, str, str]], str]]] = [
+        # Not steps/s without / with: those two medians are over different sets of cycles (the
+        # first cycle counts in one only), so side by side they would mislead; the ratio is per cycle.
         (
-            "steps/s without checkpointing / with (median over cycles)",
-            lambda f: f"{s.value(f[0], 'steps_per_s_without'):.2f} / {s.value(f[0], 'steps_per_s_with'):.2f}",
+            "a training step without checkpointing (median)",
+            lambda f: s.fig(f[0], "step_ms", "{:.1f}"),
         ),
         (
             "throughput with the default policy and its saves / without: median (quartiles; range)",
@@ -731,3 +733,103 @@ def soak(s: Any) -> list[str]:
             ]
         ),
     ]
+
+
+@section("coordination")
+def coordination(s: Any) -> list[str]:
+    f = "coordination"
+    ranks = sorted(
+        {int(k.rsplit("_", 1)[1]) for k in s.data(f)["figures"] if k.startswith("decide_us_idle_")}
+    )
+    rows: list[tuple[str, Callable[[int], str]]] = [
+        ("decision agreements per save", lambda n: s.fig(f, f"decisions_per_save_{n}")),
+        ("one agreement, training stopped", lambda n: s.fig(f, f"decide_us_idle_{n}", unit="ms")),
+        ("one agreement during training", lambda n: s.fig(f, f"decide_us_training_{n}", unit="ms")),
+        (
+            "commit: messages sent per save, rank 0 / another rank / all ranks",
+            lambda n: (
+                f"{s.fig(f, f'commit_messages_rank0_{n}')} / {s.fig(f, f'commit_messages_other_{n}')} / "
+                f"{s.fig(f, f'commit_messages_total_{n}')}"
+            ),
+        ),
+        (
+            "commit: bytes sent per save, another rank / all ranks",
+            lambda n: f"{s.fig(f, f'commit_sent_other_B_{n}')} / {s.fig(f, f'commit_sent_total_B_{n}')}",
+        ),
+        ("last rank's part durable → commit line durable", lambda n: s.fig(f, f"last_part_to_commit_ms_{n}")),
+        ("snapshot → commit line, training going on", lambda n: s.fig(f, f"snapshot_to_commit_ms_{n}")),
+        (
+            "files / bytes written per save",
+            lambda n: (
+                f"{s.fig(f, f'files_per_save_{n}')} / {s.fig(f, f'bytes_per_save_{n}', '{:.2f}', unit='MB')}"
+            ),
+        ),
+    ]
+    out = [_row(["per save (medians)", *(f"{n} ranks" for n in ranks)]), _row(["---"] * (len(ranks) + 1))]
+    for label, cell in rows:
+        out.append(_row([label, *(cell(n) for n in ranks)]))
+    return out
+
+
+@section("resume-check")
+def resume_check(s: Any) -> list[str]:
+    files = [n for n in s.results.names() if n == "resume_check_cost" or n.startswith("resume_check_cost-")]
+    out = [
+        _row(
+            [
+                "model",
+                "training step",
+                "check, training thread",
+                "save, blocking part",
+                "check / save (quartiles)",
+                "check / step",
+                "check, save thread",
+            ]
+        ),
+        _row(["---"] * 7),
+    ]
+    for f in files:
+        out.append(
+            _row(
+                [
+                    s.details(f)["model_description"],
+                    s.fig(f, "step_ms", "{:.1f}"),
+                    s.fig(f, "check_ms", "{:.1f}"),
+                    s.fig(f, "save_ms", "{:.0f}"),
+                    f"{s.fig(f, 'check_over_save_pct', '{:.1f}')} "
+                    f"({s.value(f, 'check_over_save_q1_pct'):.1f} .. {s.value(f, 'check_over_save_q3_pct'):.1f} %)",
+                    s.fig(f, "check_over_step_pct", "{:.2f}"),
+                    s.fig(f, "save_thread_ms", "{:.1f}"),
+                ]
+            )
+        )
+    return out
+
+
+@section("ddp-sum-order")
+def ddp_sum_order(s: Any) -> list[str]:
+    f = "ddp_sum_order"
+    ranks = sorted({int(k.rsplit("_", 1)[1]) for k in s.data(f)["figures"] if k.startswith("gloo_differ_")})
+    out = [
+        _row(
+            [
+                "ranks",
+                "gloo: sums of 4,096 that differ in another layout",
+                "DDP weights of 1,153 differing: resumed as it comes / layout given back",
+                "the same with `find_unused_parameters=True`",
+            ]
+        ),
+        _row(["---"] * 4),
+    ]
+    for n in ranks:
+        out.append(
+            _row(
+                [
+                    str(n),
+                    s.fig(f, f"gloo_differ_{n}"),
+                    f"{s.fig(f, f'resume_differ_{n}')} / {s.fig(f, f'relaid_differ_{n}')}",
+                    f"{s.fig(f, f'unused_resume_differ_{n}')} / {s.fig(f, f'unused_relaid_differ_{n}')}",
+                ]
+            )
+        )
+    return out
