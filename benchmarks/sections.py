@@ -386,8 +386,8 @@ def first_save(s: Any) -> list[str]:
                     s.fig(f, "first_ms", "{:.0f}"),
                     s.fig(f, "later_ms", "{:.0f}"),
                     f"**{s.fig(f, 'first_over_later', '{:.2f}')}**"
-                    if s.value(f, "later_ms") > 0
-                    else "— (the later saves' median is not above the noise)",
+                    if s.value(f, "later_ms") > 0 and s.value(f, "first_ms") > 0
+                    else "— (a step-time difference here is not above the noise)",
                     f"{s.fig(f, 'first_library_ms', '{:.0f}')} / {s.fig(f, 'later_library_ms', '{:.0f}')}"
                     f" ({s.fig(f, 'first_over_later_library', '{:.2f}')})",
                 ]
