@@ -314,9 +314,3 @@ def _fmt(v: Any) -> str:
 
 def mib(n: int) -> str:
     return f"{n / MB:,.1f} MiB"
-
-
-def write_json(path: str | None, data: Any) -> None:
-    if path:
-        Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
-        print(f"\nwrote {path}")

@@ -13,6 +13,7 @@ import argparse
 import time
 
 import _common as C
+import _record
 import torch
 import zstandard
 
@@ -32,7 +33,10 @@ def _best(fn, reps: int = 5) -> tuple[float, object]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_device_argument(p, "where the weights are initialised")
-    device = C.device_of(p.parse_args(), p)
+    _record.add_json_argument(p, "codec_params")
+    args = p.parse_args()
+    device = C.device_of(args, p)
+    rec = _record.start("codec_params", device)
     torch.manual_seed(0)
     weight = torch.nn.Linear(4096, 4096, device=device).weight.detach().cpu()
     raw = precision.tensor_bytes(weight.contiguous())[: 16 << 20]
@@ -51,6 +55,12 @@ def main() -> None:
         print(
             f"{name:34s} ratio {len(comp) / len(plane):.3f}  encode {gb / t_enc:.2f} GB/s  decode {gb / t_dec:.2f} GB/s"
         )
+        key = "default" if name == "zstd level 1" else "tuned"
+        rec.add(f"{key}.ratio", len(comp) / len(plane), "x", f"{name}: compressed / raw exponent plane")
+        rec.add(f"{key}.encode_gb_s", gb / t_enc, "GB/s", f"{name}: encode, best of 5")
+        rec.add(f"{key}.decode_gb_s", gb / t_dec, "GB/s", f"{name}: decode, best of 5")
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

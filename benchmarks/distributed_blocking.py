@@ -39,6 +39,7 @@ if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.pa
     sys.path.insert(0, str(ROOT))
 
 import _common as C  # noqa: E402
+import _record  # noqa: E402
 
 import smartckpt_cli as sc  # noqa: E402
 
@@ -105,9 +106,11 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank mode: JSON out path
     p.add_argument("--solo", action="store_true", help=argparse.SUPPRESS)
     C.add_device_argument(p, "where each process's parameters live")
+    _record.add_json_argument(p, "distributed_blocking")
     args = p.parse_args()
     device = C.device_of(args, p).type
     base = Path(args.dir)
+    rec = None if args.worker else _record.start("distributed_blocking", device)
     if args.worker:
         import torch.distributed as dist
 
@@ -157,6 +160,20 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     shutil.rmtree(base, ignore_errors=True)
+    assert rec is not None
+    what = "loop wait per save (the step() call and what the next pre-hook waited), median"
+    rec.add(
+        "state_mb", single["state_mb"] * 1.048576, "MB", "state per process (parameters and AdamW moments)"
+    )
+    rec.add("single_ms", single["median_s"] * 1e3, "ms", f"one process: {what}")
+    rec.add("ranks_ms", worst * 1e3, "ms", f"2 ranks, the slower: {what}")
+    rec.add("ratio", worst / single["median_s"], "x", "2 ranks (the slower) / one process")
+    rec.add(
+        "ratio_vs_two_independent", worst / solo_worst, "x", "2 ranks / two independent processes at once"
+    )
+    rec.details = result
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

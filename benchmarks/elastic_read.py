@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _record
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "elastic_train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
@@ -52,7 +54,9 @@ def main() -> int:
     ap.add_argument("--restore-ranks", type=int, nargs="+", default=[1, 2, 3, 8])
     ap.add_argument("--chunk-mb", type=int, default=16, help="the store's chunk size (the unit a rank reads)")
     ap.add_argument("--workdir", default=None)
+    _record.add_json_argument(ap, "elastic_read")
     args = ap.parse_args()
+    rec = _record.start("elastic_read")
     if args.width < 1 or args.layers < 0 or args.save_ranks < 1 or min(args.restore_ranks) < 1:
         ap.error("--width, --save-ranks and --restore-ranks must be positive")
     model = ["--width", str(args.width), "--layers", str(args.layers), "--info", "--save-every", "2"]
@@ -84,6 +88,19 @@ def main() -> int:
                 print(
                     f"{m:>11}  {r:>4}  {read:>8.1f}  {stored:>9.1f}  {share:>6.1%}  {share * m:>5.2f}x  {parts}"
                 )
+            most = max(rows[r][0] for r in range(m))
+            stored = rows[0][1]
+            who = f"restored on {m} rank(s)"
+            rec.add(f"m{m}.read_mb", most, "MB", f"{who}: the most any rank read")
+            rec.add(f"m{m}.share_pct", 100 * most / stored, "%", f"{who}: that, as a share of the checkpoint")
+            rec.add(f"m{m}.vs_fair", most / stored * m, "x", f"{who}: that, against 1/M of the checkpoint")
+            rec.details[f"m{m}"] = {str(r): rows[r] for r in range(m)}
+        rec.add("stored_mb", stored, "MB", f"the checkpoint, saved by {args.save_ranks} ranks")
+    rec.details.update(
+        width=args.width, layers=args.layers + 2, save_ranks=args.save_ranks, chunk_mb=args.chunk_mb
+    )
+    rec.write(args.json)
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -22,11 +22,25 @@ FIRST_SAVE_MAX_RATIO = 2.0  # first save / median of later saves on the CPU
 THROUGHPUT_MIN = 0.99  # smartckpt with a save every 10 s vs. no checkpointing, on a GPU
 
 
-def _load(path: Path) -> Any:
+def _record(path: Path) -> Any:
+    """A result file (docs/benchmarks.md); None when it is missing or unreadable."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) and data.get("format") == "smartckpt-bench-result" else None
+
+
+def _load(path: Path) -> Any:
+    """A result file's measurements (its ``details``: what the script measured); None when the
+    file is missing or unreadable."""
+    data = _record(path)
+    return None if data is None else data.get("details")
+
+
+def _fig(rec: Any, key: str) -> float | None:
+    fig = (rec or {}).get("figures", {}).get(key)
+    return None if fig is None else float(fig["value"])
 
 
 def _ms(x: float | None) -> str:
@@ -78,7 +92,11 @@ def bench_section(path: Path, device: str) -> list[str]:
     b = _load(path)
     out = ["## Bench (`smartckpt bench`)", ""]
     if b is None:
-        return [*out, "no bench.json: the bench did not finish its first part (see gpu_check.log)", ""]
+        return [
+            *out,
+            f"no {path.name}: the bench did not run or finish its first part (see gpu_check.log)",
+            "",
+        ]
     gb = b["state_bytes"] / 1e9
     out.append(
         f"{b.get('device_name', b['device'])}, torch {b.get('torch')}: {b['params'] / 1e6:.0f}M parameters, "
@@ -151,21 +169,23 @@ def bench_section(path: Path, device: str) -> list[str]:
 def step_cost_section(results: Path) -> list[str]:
     """One row per mode: the step with and without smartckpt, the throughput kept, the spread."""
     out = [
-        "## Per-step cost (`benchmarks/step_cost.py`)",
+        "## Monitoring cost, no save (`benchmarks/step_cost.py`)",
         "",
         "| mode | model | ranks | pairs | step without, ms | step with, ms | steps/s kept | overhead (IQR) | inside smartckpt, µs/step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    data = _load(results / "step_cost-gpu.json")
     missing = []
-    for label, name in (("API", "step_cost_api.json"), ("zero-code", "step_cost_zero_code.json")):
-        data = _load(results / name)
-        key = "api" if label == "API" else "zero_code"
+    for label, key in (("API", "api"), ("zero-code", "zero_code")):
         mode = data.get(key) if isinstance(data, dict) else None
         if not isinstance(mode, dict):
-            missing.append(f"- {label}: no figures in {name} (see the step's exit code and gpu_check.log)")
+            missing.append(
+                f"- {label}: no figures in step_cost-gpu.json (see the step's exit code and gpu_check.log)"
+            )
             continue
         m = data.get("model", {})
-        model = f"MLP {m.get('layers')}x{m.get('width')}, batch {m.get('batch')}, {m.get('optimizer')}"
+        model = m.get("bench") or f"MLP {m.get('layers')}x{m.get('width')}"
+        model += f", batch {m.get('batch')}, {m.get('optimizer')}"
         iqr = mode.get("overhead_iqr") or [float("nan"), float("nan")]
         inside = mode.get("inside_us_per_step")
         out.append(
@@ -176,6 +196,41 @@ def step_cost_section(results: Path) -> list[str]:
             f"| {'-' if inside is None else f'{inside:.1f}'} |"
         )
     return [*out, "", *missing, ""] if missing else [*out, ""]
+
+
+def loop_wait_section(results: Path) -> list[str]:
+    rec = _record(results / "loop_wait-gpu.json")
+    out = ["## One save, from the loop's clock (`benchmarks/loop_wait.py`)", ""]
+    if rec is None:
+        return [*out, "no loop_wait-gpu.json (not asked for, or see gpu_check.log)", ""]
+    out += [
+        f"{rec['details'].get('model_description')}; loop wait per save, step-time difference, median:",
+        "",
+        "| way | loop wait | later steps lose until written | written after |",
+        "|---|---|---|---|",
+    ]
+    for key in ("smartckpt_lazy", "dcp_async_staged", "smartckpt_eager", "dcp_in_call"):
+        wait, bg, written = (_fig(rec, f"{key}.{k}") for k in ("wait_ms", "background_ms", "written_s"))
+        out.append(
+            f"| {key} | {_ms(None if wait is None else wait / 1e3)} | {_ms(None if bg is None else bg / 1e3)} | {_s(written)} s |"
+        )
+    return [*out, ""]
+
+
+def throughput_section(results: Path) -> list[str]:
+    rec = _record(results / "throughput-gpu.json")
+    out = ["## Throughput with the default policy and its saves (`benchmarks/throughput.py`)", ""]
+    if rec is None:
+        return [*out, "no throughput-gpu.json (not asked for, or see gpu_check.log)", ""]
+    ratio, interval = _fig(rec, "ratio"), _fig(rec, "interval_s")
+    first, later = _fig(rec, "first_wait_ms"), _fig(rec, "later_wait_ms")
+    out.append(
+        f"{rec['details'].get('model_description')}: with / without checkpointing "
+        f"{'-' if ratio is None else f'{ratio:.4f}x'} (a save every {'-' if interval is None else f'{interval:.0f}'} s); "
+        f"loop wait per save, step-time difference: first {_ms(None if first is None else first / 1e3)}, "
+        f"later {_ms(None if later is None else later / 1e3)}"
+    )
+    return [*out, ""]
 
 
 def main() -> None:
@@ -195,8 +250,10 @@ def main() -> None:
         *steps_table(a.steps),
         "",
         *tests_section(a.results / "pytest.xml", a.device),
-        *bench_section(a.results / "bench.json", a.device),
         *step_cost_section(a.results),
+        *loop_wait_section(a.results),
+        *bench_section(a.results / "bench-gpu.json", a.device),
+        *throughput_section(a.results),
         "Every step's output: gpu_check.log.",
     ]
     (a.results / "summary.md").write_text("\n".join(lines) + "\n")

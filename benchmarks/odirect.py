@@ -16,6 +16,7 @@ import statistics
 import time
 
 import _common as C
+import _record
 
 
 def _write(path: str, buf: mmap.mmap, total: int, direct: bool) -> float:
@@ -37,8 +38,10 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=512)
     p.add_argument("--reps", type=int, default=5)
     C.add_device_argument(p, "unused here: this measures the disk alone")
+    _record.add_json_argument(p, "odirect")
     args = p.parse_args()
     C.device_of(args, p)
+    rec = _record.start("odirect")
     buf = mmap.mmap(-1, 16 << 20)  # page-aligned, as O_DIRECT requires
     buf.write(os.urandom(16 << 20))
     total = args.mb << 20
@@ -58,6 +61,15 @@ def main() -> None:
     for name, vals in res.items():
         if vals:
             print(f"{name:9s} write+fsync: median {statistics.median(vals):.2f} GB/s over {len(vals)} runs")
+            rec.add(
+                f"{name}.gb_s",
+                statistics.median(vals),
+                "GB/s",
+                f"{args.mb} MiB in 16 MiB writes + fsync, {name}, median of {len(vals)}",
+            )
+    rec.details.update(samples_gb_s=res, mb=args.mb)
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

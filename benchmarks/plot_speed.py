@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import _record  # noqa: E402
 import numpy as np  # noqa: E402
 
 from smartckpt_cli.store.journal import encode_line  # noqa: E402
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--keep", action="store_true", help="leave the synthetic store and the figure")
+    _record.add_json_argument(p, "plot_speed")
     args = p.parse_args(argv)
+    rec = _record.start("plot_speed")
     work = Path(tempfile.mkdtemp(prefix="plot-speed-", dir=args.workdir))
     try:
         store = work / "store"
@@ -190,6 +193,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{points:,} points drawn for {len(tl.series)} series, {len(tl.checkpoints):,} checkpoint markers, "
             f"{len(tl.restarts)} restarts"
         )
+        rec.add("rows", counts["rows"], "count", "trace rows of the synthetic week")
+        rec.add("files", counts["files"], "count", "trace files")
+        rec.add("trace_mb", size / 1e6, "MB", "trace files, bytes")
+        rec.add("checkpoints", counts["checkpoints"], "count", "checkpoints in the journal")
+        rec.add("failures", counts["failures"], "count", "restarts in the run records")
+        rec.add(
+            "plot_s", min(walls), "s", f"smartckpt plot DIR -o week.png as a new process, best of {args.reps}"
+        )
+        rec.add("load_s", t_load, "s", "in one process: reading the journal, traces and run records")
+        rec.add(
+            "build_s", t_build, "s", "in one process: building the timeline (placement, series, decimation)"
+        )
+        rec.add("draw_s", t_draw, "s", "in one process: drawing")
+        rec.add("save_s", t_save, "s", "in one process: writing the PNG")
+        rec.add("points", points, "count", "points drawn")
+        rec.details.update(walls_s=walls)
+        rec.write(args.json)
+        print(f"wrote {args.json}")
         if args.keep:
             print(f"kept: {work}")
     finally:

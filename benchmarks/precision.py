@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C
+import _record
 import torch
 
 from smartckpt_cli import CheckpointManager
@@ -221,10 +222,11 @@ def main() -> None:
     ap.add_argument("--skip-resume", action="store_true", help="only part (a)")
     ap.add_argument("--skip-uninterrupted", action="store_true", help="no invariant-1 check run")
     ap.add_argument("--workdir", help="where the stores go (default: a temporary directory)")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    _record.add_json_argument(ap, "precision")
     C.add_device_argument(ap, "where the model trains")
     args = ap.parse_args()
     args.dev = C.device_of(args, ap)
+    rec = _record.start("precision", args.dev)
     try:
         C.minilm_dir()
     except (ImportError, FileNotFoundError) as err:
@@ -316,7 +318,48 @@ def main() -> None:
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     results["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     report(args, results)
-    C.write_json(args.json, results)
+    for label, per in results["roundtrip"].items():
+        for m in MOMENTS:
+            r = per[m]
+            what = f"round trip, {label}, {m}"
+            rec.add(f"roundtrip.{label}.{m}.nonzero", r["nonzero"], "count", f"{what}: nonzero values before")
+            rec.add(
+                f"roundtrip.{label}.{m}.to_zero",
+                r["to_zero"],
+                "count",
+                f"{what}: nonzero values that became 0",
+            )
+            rec.add(
+                f"roundtrip.{label}.{m}.to_inf",
+                r["to_inf"],
+                "count",
+                f"{what}: finite values that became inf",
+            )
+            rec.add(
+                f"roundtrip.{label}.{m}.max_rel_err",
+                r["max_rel_err"],
+                "num",
+                f"{what}: largest relative error",
+            )
+            if "patched" in r:
+                rec.add(
+                    f"roundtrip.{label}.{m}.patched",
+                    r["patched"],
+                    "count",
+                    f"{what}: values kept exactly beside the tensor",
+                )
+    for label, r in results.get("resume", {}).items():
+        what = f"resume from {label} vs the exact resume, {args.continue_steps} steps later"
+        rec.add(
+            f"resume.{label}.final_loss_diff",
+            r["final_loss_diff"],
+            "num",
+            f"{what}: |loss difference| at the last step",
+        )
+        rec.add(f"resume.{label}.eval_diff", r["eval_diff"], "num", f"{what}: |held-out loss difference|")
+    rec.details = results
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 def restore_only(

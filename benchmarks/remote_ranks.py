@@ -197,10 +197,16 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--every-s", type=float, default=4.0)
     p.add_argument("--moto", action="store_true")
-    p.add_argument("--json", default=None)
+    p.add_argument(
+        "--json", default=None, help="the result file (default: benchmarks/results/remote_ranks.json)"
+    )
     args = p.parse_args()
     if args.child:
         return child(args)
+    import _record
+
+    args.json = args.json or str(_record.RESULTS / "remote_ranks.json")
+    rec = _record.start("remote_ranks")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -248,8 +254,46 @@ def main() -> int:
                 f"{tr['lag_max_s']:>9.2f} {tr['close_wait_s']:>7.2f} {rs['restore_s']:>9.2f} "
                 f"{rs['downloaded'] / 1e6:>10.1f} {rs['start']:>9}"
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    for res in results:
+        n = res["ranks"]
+        for tr, rs in zip(res["train"], res["restore"], strict=True):
+            key, who = f"r{n}.rank{tr['rank']}", f"{n} rank(s), rank {tr['rank']}"
+            rec.add(f"{key}.sent_mb", tr["bytes_sent"] / 1e6, "MB", f"{who}: bytes sent to the remote")
+            rec.add(f"{key}.parts", tr["parts"], "count", f"{who}: checkpoints (parts) sent")
+            rec.add(
+                f"{key}.per_part_mb",
+                tr["bytes_sent"] / 1e6 / max(1, tr["parts"]),
+                "MB",
+                f"{who}: sent per checkpoint",
+            )
+            rec.add(f"{key}.blobs_sent", tr["blobs_sent"], "count", f"{who}: blobs sent")
+            rec.add(
+                f"{key}.blobs_found",
+                tr["blobs_deduped"],
+                "count",
+                f"{who}: blobs found on the remote already",
+            )
+            rec.add(
+                f"{key}.lag_mean_s", tr["lag_mean_s"], "s", f"{who}: upload lag sampled at each step, mean"
+            )
+            rec.add(f"{key}.lag_max_s", tr["lag_max_s"], "s", f"{who}: upload lag, largest")
+            rec.add(f"{key}.close_s", tr["close_wait_s"], "s", f"{who}: what close() waited for the uploads")
+            rec.add(
+                f"{key}.restore_s", rs["restore_s"], "s", f"{who}: restore onto empty disks, from the remote"
+            )
+            rec.add(
+                f"{key}.fetched_mb", rs["downloaded"] / 1e6, "MB", f"{who}: bytes downloaded by the restore"
+            )
+    rec.details.update(
+        mode=args.mode,
+        params=args.params,
+        seconds=args.seconds,
+        every_s=args.every_s,
+        remote=where,
+        results=results,
+    )
+    rec.write(args.json)
+    print(f"wrote {args.json}")
     return 0
 
 

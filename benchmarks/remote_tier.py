@@ -12,7 +12,9 @@ an ``s3://`` URL with the usual AWS_* variables for object storage). Reports per
   step restored).
 
     python benchmarks/remote_tier.py [--device cpu|cuda] [--params 5e6] [--steps 60] [--every 10]
-                                     [--remote s3://bucket/prefix] [--bandwidth-mb 0] [--json out.json]
+                                     [--remote s3://bucket/prefix | --moto] [--bandwidth-mb 0] [--json out.json]
+
+``--moto`` starts moto's S3 server here (throwaway credentials) and replicates to it.
 
 Figures on a shared 2-core machine are noisy; compare the two variants of one run.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -37,6 +40,7 @@ if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.pa
     sys.path.insert(0, str(ROOT))
 
 import _common as C  # noqa: E402
+import _record  # noqa: E402
 import torch  # noqa: E402
 
 from smartckpt_cli import CheckpointManager  # noqa: E402
@@ -107,23 +111,80 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--remote", default=None, help="default: file:// in the work dir")
+    p.add_argument("--moto", action="store_true", help="an S3 remote on moto's server, started here")
     p.add_argument("--bandwidth-mb", type=float, default=0.0, help="remote_bandwidth_mb (0: unlimited)")
     p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--json", type=Path, default=None)
     C.add_device_argument(p, "where the model trains")
+    _record.add_json_argument(p, "remote_tier")
     args = p.parse_args()
     args.dev = C.device_of(args, p)
+    if args.moto and args.remote:
+        p.error("--moto and --remote: one remote at a time")
+    rec = _record.start("remote_tier", args.dev)
     work = Path(tempfile.mkdtemp(prefix="smartckpt-remote-bench-", dir=args.workdir))
+    moto = None
+    saved_env = dict(os.environ)
     try:
         remote = args.remote or f"file://{work / 'remote'}"
+        if args.moto:
+            from remote_ranks import start_moto
+
+            moto, aws = start_moto()
+            os.environ.update(aws)
+            import boto3
+
+            boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(
+                Bucket="bench"
+            )
+            remote = "s3://bench/job"
         rows = [one_variant(work, args, None), one_variant(work, args, remote)]
     finally:
+        if moto is not None:
+            moto.terminate()
+            moto.wait(10)
+        os.environ.clear()
+        os.environ.update(saved_env)
         shutil.rmtree(work, ignore_errors=True)
     keys = list(rows[1])
     for k in keys:
         print(f"{k:24s} " + "  ".join(f"{r.get(k, '-')!s:>14}" for r in rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    where = "moto S3" if args.moto else "file://" if remote.startswith("file://") else remote.split("/")[0]
+    for r in rows:
+        key = "remote" if r["variant"] == "remote" else "local"
+        what = f"{'with the remote (' + where + ')' if key == 'remote' else 'without a remote'}"
+        rec.add(
+            f"{key}.step_median_ms", r["step_median_ms"], "ms", f"{what}: step time, median (saves included)"
+        )
+        rec.add(f"{key}.step_p90_ms", r["step_p90_ms"], "ms", f"{what}: step time, 90th percentile")
+        if r["loop_wait_per_save_ms"] is not None:
+            rec.add(
+                f"{key}.loop_wait_ms",
+                r["loop_wait_per_save_ms"],
+                "ms",
+                f"{what}: loop wait per save (library's counter), mean",
+            )
+        rec.add(f"{key}.close_s", r["close_wait_s"], "s", f"{what}: what close() waited")
+    r = rows[1]
+    rec.add(
+        "remote.lag_at_end",
+        r["lag_at_loop_end"] or 0,
+        "count",
+        "checkpoints not yet remote when the loop ended",
+    )
+    rec.add("remote.sent_mb", r["bytes_sent"] / 1e6, "MB", "bytes sent to the remote")
+    rec.add("remote.blobs_found", r["blobs_deduped"], "count", "blobs found on the remote already")
+    rec.add("remote.restore_s", r["restore_after_wipe_s"], "s", "restore after the local store was deleted")
+    rec.add("remote.restored_step", r["restored_step"], "steps", "the step it restored")
+    rec.details.update(
+        variants=rows,
+        remote=where,
+        bandwidth_mb=args.bandwidth_mb,
+        params=args.params,
+        steps=args.steps,
+        every=args.every,
+    )
+    rec.write(args.json)
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -20,14 +20,14 @@ Figures: the medians, and check / save and check / step, with their interquartil
 the rounds. The save thread's part (``expect_job``: read back, one journal line with fsync) is
 timed on its own, off the training thread.
 
-    python benchmarks/resume_check_cost.py --json resume_check_cost.json
-    python benchmarks/resume_check_cost.py --device cuda --width 4096
+    python benchmarks/resume_check_cost.py          # benchmarks/results/resume_check_cost.json
+    python benchmarks/resume_check_cost.py --width 2048 --json benchmarks/results/resume_check_cost-2048.json
+    python benchmarks/resume_check_cost.py --device cuda --width 4096 --json resume_check_cost-gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/resume_check_cost.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
+import _record  # noqa: E402  (benchmarks/ is the script's own folder)
 import torch  # noqa: E402
 
 from smartckpt_cli.engine.manager import CheckpointManager  # noqa: E402
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--json", default=None)
+    _record.add_json_argument(p, "resume_check_cost")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -131,8 +132,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  resume check (save thread) {med['save_thread'] * 1e3:7.3f} ms   off the training thread")
     for k, (lo, m, hi) in out["ratios"].items():
         print(f"  {k:12s} {m:8.4f}  (IQR {lo:.4f}..{hi:.4f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    rec = _record.start("resume_check_cost", device)
+    what = f"median over {args.rounds} rounds"
+    rec.add("step_ms", med["step"] * 1e3, "ms", f"one training step without smartckpt, {what}")
+    rec.add("check_ms", med["check"] * 1e3, "ms", f"the resume check's training-thread part, {what}")
+    rec.add("save_ms", med["save"] * 1e3, "ms", f"the blocking part of a save of the same state, {what}")
+    rec.add("save_thread_ms", med["save_thread"] * 1e3, "ms", f"the check's save-thread part, {what}")
+    for key, name in (("check/save", "check_over_save"), ("check/step", "check_over_step")):
+        lo, m, hi = out["ratios"][key]
+        rec.add(f"{name}_pct", 100 * m, "%", f"{key}, per round, median")
+        rec.add(f"{name}_q1_pct", 100 * lo, "%", f"{key}, first quartile")
+        rec.add(f"{name}_q3_pct", 100 * hi, "%", f"{key}, third quartile")
+    rec.details.update(out)
+    rec.details["model_description"] = (
+        f"MLP {args.layers}x{args.width} ({params / 1e6:.1f}M parameters), batch {args.batch}, AdamW"
+    )
+    rec.write(args.json)
+    print(f"wrote {args.json}")
     return out
 
 

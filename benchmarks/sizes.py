@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C
+import _record
 import torch
 from torch import nn
 
@@ -347,7 +348,7 @@ def report(results: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    _record.add_json_argument(ap, "sizes")
     ap.add_argument("--workdir", help="where the stores go (default: a temporary directory)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--skip-synthetic", action="store_true", help="skip measurements 1 and 2")
@@ -370,6 +371,7 @@ def main() -> None:
     C.add_device_argument(ap, "where the models train")
     args = ap.parse_args()
     args.dev = C.device_of(args, ap)
+    rec = _record.start("sizes", args.dev)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -391,7 +393,36 @@ def main() -> None:
     results["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     report(results)
     print(f"\ntotal {results['seconds']} s, peak RSS {results['peak_rss_mib']:,} MiB")
-    C.write_json(args.json, results)
+    for label, what in (("tinylm", "decoder LM"), ("minilm", "all-MiniLM-L6-v2")):
+        if label not in results:
+            continue
+        r = results[label]
+        rec.add(f"{label}.params", r["params"], "count", f"{what}: parameters")
+        for prec, q in r["precisions"].items():
+            rec.add(
+                f"{label}.{prec}.ratio",
+                q["ratio"],
+                "x",
+                f"{what}, precision {prec}: bytes on disk / torch.save's",
+            )
+            rec.add(
+                f"{label}.{prec}.ratio_without_embedding",
+                q["ratio_without_embedding"],
+                "x",
+                f"{what}, precision {prec}: stored / raw bytes without the word-embedding table",
+            )
+    if "frozen" in results:
+        f = results["frozen"]
+        rec.add("frozen.fraction_pct", 100 * f["frozen_params"] / f["params"], "%", "frozen parameters")
+        rec.add(
+            "frozen.ratio",
+            f["ratio_disk_delta"],
+            "x",
+            "second checkpoint's disk delta / raw trainable parameters and their AdamW state",
+        )
+    rec.details = results
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import shutil
 import threading
 
 import _common as C
+import _record
 import psutil
 
 import smartckpt_cli as sc
@@ -25,8 +26,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--dir", default="/tmp/smartckpt-soak")
     C.add_device_argument(p, "where the model trains")
+    _record.add_json_argument(p, "soak")
     args = p.parse_args()
     device = C.device_of(args, p)
+    rec = _record.start("soak", device)
     shutil.rmtree(args.dir, ignore_errors=True)
     model, opt = build_model(int(args.params), device=device)
     proc = psutil.Process()
@@ -55,6 +58,19 @@ def main() -> None:
         "failures": len(failures),
     }
     print(json.dumps(out, indent=2))
+    after_warmup = f"between save {args.warmup} and save {args.saves}"
+    rec.add("saves", args.saves, "count", "consecutive saves, one per step")
+    rec.add("staging_mb", staging / 1e6, "MB", "one staging copy of the state")
+    rec.add("rss_growth_mb", (after[0] - before[0]) / 1e6, "MB", f"resident memory growth {after_warmup}")
+    rec.add("rss_growth_over_staging", (after[0] - before[0]) / staging, "x", "the same, in staging copies")
+    rec.add("fds_before", before[1], "count", f"open file descriptors after save {args.warmup}")
+    rec.add("fds_after", after[1], "count", f"open file descriptors after save {args.saves}")
+    rec.add("threads_before", before[2], "count", f"threads after save {args.warmup}")
+    rec.add("threads_after", after[2], "count", f"threads after save {args.saves}")
+    rec.add("failures", len(failures), "count", "failed saves")
+    rec.details = out
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
-"""What smartckpt costs a training step that does not save (issue 20).
+"""What smartckpt's monitoring costs a training step *when no step saves*: the signals, the
+policy, the evaluation in the optimizer pre-hook, the boundary capture, the heartbeat. This is
+not what checkpointing costs: that includes the saves (benchmarks/throughput.py measures it, with
+the default policy and its saves); this is the part paid at every step whether or not anything is
+saved, reported as the second line beside it.
 
 An MLP (``--layers`` Linear layers of ``--width``, ReLU between, batch ``--batch``, AdamW, MSE to
-random targets from a pool of 16 batches made on the device beforehand) trains on ``--device``.
+random targets from a pool of 16 batches made on the device beforehand; or, with ``--model bench``,
+``smartckpt bench``'s MLP of about ``--params`` parameters, batch 8) trains on ``--device``.
 Blocks of steps alternate between training without smartckpt (A) and with it (B), A/B, B/A, A/B…
 (the order flips every pair, so drift in the machine's speed hits both alike). The figure is the
 per-step overhead of each pair, time per step B / A − 1: its median over the pairs and the
@@ -21,18 +26,24 @@ JSON is written after each):
   optimizer hooks, the ``backward`` wrapper undone), for B blocks put back: the same model trains
   in both. The supervisor's own CPU use (a poll a second) falls on both alike.
 
-In both, ``min_interval`` = ``max_interval`` = 10⁹ s: no scheduled save; the default policy's
-precursor alarm stays on (its evaluation in the optimizer pre-hook and the boundary capture are
-part of the cost), and since ``min_interval`` spaces precursor saves from each other, at most one
-is taken in a run; a block in which a save happened (that one, or memory pressure) is reported
-and left out of the figures.
+In both, ``min_interval`` = ``max_interval`` = 10⁹ s, so that no step saves: the figure is the
+monitoring alone. The default policy's precursor alarm stays on (its evaluation in the optimizer
+pre-hook and the boundary capture are part of the cost); since ``min_interval`` spaces precursor
+saves from each other, at most one is taken in a run, and a pair whose B block saved (that one, or
+memory pressure) is left out of the figures and counted (``pairs_dropped_for_a_save``).
+
+Beside the A/B difference, ``inside`` is the time spent in smartckpt's own code, timed around
+``mgr.step`` and around every hook it installs: the optimizer pre-hook (and, in zero-code mode, the
+global optimizer hooks) and the signals' gradient hook on the reference parameter (armed around
+evaluations). Not timed: the few lines of zero-code mode's ``backward`` wrapper.
 
 Defaults of the model: 8 layers of 1024, batch 256 on CUDA (about 1.8 ms a step on an H200); 8
 layers of 256, batch 64 on CPU (about 3 ms a step on 2 cores). ``--device`` defaults to cuda when
 a GPU is present.
 
-    python benchmarks/step_cost.py --device cpu --json step_cost.json
-    python benchmarks/step_cost.py --device cpu --ranks 2 --json step_cost_2r.json
+    python benchmarks/step_cost.py --device cpu
+    python benchmarks/step_cost.py --device cpu --model bench --api --pairs 6 --min-block-steps 10 --json benchmarks/results/step_cost-bench.json
+    python benchmarks/step_cost.py --device cpu --ranks 2 --json benchmarks/results/step_cost-2ranks.json
     python benchmarks/step_cost.py --device cuda --zero-code --json zc.json
 """
 
@@ -53,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/step_cost.py` from a checkout
     sys.path.insert(0, str(ROOT))
 
+import _record  # noqa: E402
 import torch  # noqa: E402
 
 NO_SAVE = {"min_interval": 1e9, "max_interval": 1e9}
@@ -63,6 +75,10 @@ NO_SAVE_ENV = {f"SMARTCKPT_{k.upper()}": str(v) for k, v in NO_SAVE.items()}
 
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if args.model == "bench":
+        from smartckpt_cli.ops.bench_model import build_model
+
+        return build_model(int(args.params), device=device)
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for i in range(args.layers):
@@ -74,13 +90,13 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Modu
 
 
 def batches(
-    args: argparse.Namespace, device: torch.device, n: int = 16
+    args: argparse.Namespace, device: torch.device, width: int, n: int = 16
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        x = torch.randn(args.batch, args.width, generator=g)
-        y = torch.randn(args.batch, args.width, generator=g)
+        x = torch.randn(args.batch, width, generator=g)
+        y = torch.randn(args.batch, width, generator=g)
         out.append((x.to(device), y.to(device)))
     return out
 
@@ -140,7 +156,7 @@ def summary(
 
 def _line(name: str, s: dict[str, Any]) -> str:
     return (
-        f"{name}: {s['step_ms_without']:.3f} ms/step without, {s['step_ms_with']:.3f} ms/step with "
+        f"{name}, no step saves: {s['step_ms_without']:.3f} ms/step without, {s['step_ms_with']:.3f} ms/step with "
         f"({s['steps_per_s_without']:.1f} vs {s['steps_per_s_with']:.1f} steps/s); overhead "
         f"{s['overhead_median']:+.2%} (IQR {s['overhead_iqr'][0]:+.2%} .. {s['overhead_iqr'][1]:+.2%}, "
         f"{s['pairs']} pairs); in the training thread's CPU time {s['thread_cpu_overhead_median']:+.2%} "
@@ -180,7 +196,7 @@ def _block_steps(
     args: argparse.Namespace, per_step: float, device: torch.device, dist: Any, rank: int
 ) -> int:
     """Steps in a block of about --block-seconds; every rank takes rank 0's number."""
-    n = max(20, int(args.block_seconds / per_step))
+    n = max(args.min_block_steps, int(args.block_seconds / per_step))
     if dist is not None:
         t = torch.tensor([n if rank == 0 else 0], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -216,7 +232,7 @@ def api_worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     plain, plain_opt = _ddp(build(args, device)[0], device, dist)
     managed, managed_opt = _ddp(build(args, device)[0], device, dist)
-    data = batches(args, device)
+    data = batches(args, device, _width(managed))
     mgr = sc.CheckpointManager(args.store, **NO_SAVE)
     mgr.register(model=managed, optimizer=managed_opt)
     inside = [0.0]
@@ -224,6 +240,7 @@ def api_worker(args: argparse.Namespace) -> None:
     for key, hook in list(table.items()):
         if getattr(hook, "__self__", None) is mgr:
             table[key] = _Timed(hook, inside)
+    _time_grad_hook(mgr._signals, inside)
     step_no = 0
 
     def block(with_mgr: bool, n: int) -> tuple[float, bool, float, float]:
@@ -243,12 +260,8 @@ def api_worker(args: argparse.Namespace) -> None:
         sync(device)
         return (time.perf_counter() - t0) / n, saved, (time.thread_time() - c0) / n, inside[0] / n
 
-    # Warm up both (allocator, kernels, the manager's first evaluations and its measured cadence).
-    for _ in range(3):
-        block(False, 50)
-        block(True, 50)
-    per_step = min(block(False, 30)[0], block(True, 30)[0])
-    n = _block_steps(args, per_step, device, dist, rank)
+    n = _warm_up(block)
+    n = _block_steps(args, n, device, dist, rank)
     pairs = _alternate(args, block, n, rank, "api")
     every = mgr._signals.every  # the evaluation spacing the manager settled on (for the report)
     mgr.close()
@@ -258,11 +271,38 @@ def api_worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def _width(model: torch.nn.Module) -> int:
+    return next(model.parameters()).shape[1]
+
+
+def _warm_up(block: Any) -> float:
+    """Warm up both (allocator, kernels, the manager's first evaluations and its measured
+    cadence), three blocks each of up to 50 steps or about a second; the seconds per step."""
+    per_step = max(block(False, 2)[0], block(True, 2)[0])
+    n = max(3, min(50, int(1.0 / per_step)))
+    for _ in range(3):
+        block(False, n)
+        block(True, n)
+    return min(block(False, n)[0], block(True, n)[0])
+
+
+def _time_grad_hook(signals: Any, inside: list[float]) -> None:
+    """Time the signals' gradient hook (on one parameter, armed around evaluations) into
+    ``inside``: registered through an attribute lookup, so the instance attribute is what the
+    next arming registers; an armed hook is registered again (benchmark only)."""
+    signals._after_backward = _Timed(signals._after_backward, inside)
+    armed = signals._armed
+    signals._hook(False)
+    if armed:
+        signals._hook(True)
+
+
 class _Timed:
     """A hook that adds the time spent in it to ``inside`` (one list shared by all)."""
 
     def __init__(self, hook: Any, inside: list[float]) -> None:
         self.hook, self.inside = hook, inside
+        self.__self__ = getattr(hook, "__self__", None)  # the hook's owner, as for the bound method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -330,13 +370,14 @@ def zero_code_worker(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, opt = _ddp(build(args, device)[0], device, dist)
-    data = batches(args, device)
+    data = batches(args, device, _width(model))
     smartckpt_cli.start_step()  # the one line zero-code mode asks of a loop
     zc = runtime._zc
     if zc is None:
         raise SystemExit("zero-code mode did not arm: run this under `smartckpt run`")
     inside = [0.0]
     hooks = _Hooks(opt, zc.mgr, inside)
+    _time_grad_hook(zc.mgr._signals, inside)
 
     def block(with_zc: bool, n: int) -> tuple[float, bool, float, float]:
         (hooks.attach if with_zc else hooks.detach)()
@@ -352,11 +393,8 @@ def zero_code_worker(args: argparse.Namespace) -> None:
         saved = zc.mgr._stats.commits + len(zc.mgr._stats.skipped) != before
         return seconds, saved, cpu, inside[0] / n
 
-    for _ in range(3):
-        block(False, 50)
-        block(True, 50)
-    per_step = min(block(False, 30)[0], block(True, 30)[0])
-    n = _block_steps(args, per_step, device, dist, rank)
+    n = _warm_up(block)
+    n = _block_steps(args, n, device, dist, rank)
     pairs = _alternate(args, block, n, rank, "zero-code")
     hooks.attach()  # zero-code mode's final checkpoint at exit, as for a user
     if rank == 0:
@@ -374,7 +412,9 @@ def _worker_cmd(args: argparse.Namespace, worker: str, out: str, store: str) -> 
     cmd = [
         str(Path(__file__).resolve()), "--device", args.device, "--width", str(args.width),
         "--layers", str(args.layers), "--batch", str(args.batch), "--threads", str(args.threads),
+        "--model", args.model, "--params", str(args.params),
         "--pairs", str(args.pairs), "--block-seconds", str(args.block_seconds),
+        "--min-block-steps", str(args.min_block_steps),
         "--worker", worker, "--worker-out", out, "--store", store,
     ]  # fmt: skip
     if args.ranks > 1:
@@ -421,6 +461,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks", type=int, default=1, help="processes under torch.distributed.run (DDP)")
     ap.add_argument("--api", action="store_true", help="only the API mode (mgr.step)")
     ap.add_argument("--zero-code", action="store_true", help="only zero-code mode under smartckpt run")
+    ap.add_argument(
+        "--model",
+        choices=("mlp", "bench"),
+        default="mlp",
+        help="mlp: --layers x --width; bench: smartckpt bench's",
+    )
+    ap.add_argument("--params", type=float, default=1e8, help="--model bench: parameters")
     ap.add_argument("--width", type=int, default=None, help="default 1024 on CUDA, 256 on CPU")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=None, help="default 256 on CUDA, 64 on CPU")
@@ -429,7 +476,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--pairs", type=int, default=10, help="A/B pairs of blocks per mode")
     ap.add_argument("--block-seconds", type=float, default=0.5, help="about how long one block lasts")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--min-block-steps",
+        type=int,
+        default=20,
+        help="steps a block has at least (the evaluation spacing's multiple)",
+    )
+    _record.add_json_argument(ap, "step_cost")
     ap.add_argument("--worker", choices=("api", "zero-code"), help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -439,7 +492,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.width is None:
         args.width = 1024 if args.device == "cuda" else 256
     if args.batch is None:
-        args.batch = 256 if args.device == "cuda" else 64
+        args.batch = 8 if args.model == "bench" else 256 if args.device == "cuda" else 64
     if min(args.ranks, args.layers, args.width, args.batch, args.pairs) < 1 or args.block_seconds <= 0:
         ap.error("--ranks, --layers, --width, --batch, --pairs and --block-seconds must be positive")
     return args
@@ -454,32 +507,83 @@ def main(argv: list[str] | None = None) -> int:
         zero_code_worker(args)
         return 0
     modes = [m for m, on in (("api", args.api), ("zero-code", args.zero_code)) if on] or ["api", "zero-code"]
-    result: dict[str, Any] = {
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else os.uname().machine,
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "ranks": args.ranks,
-        "model": {"layers": args.layers, "width": args.width, "batch": args.batch, "optimizer": "AdamW"},
-        "threads": args.threads or "torch default",
-        "modes": modes,
-    }
+    rec = _record.start("step_cost", torch.device(args.device))
+    model = (
+        {"bench": f"smartckpt bench's MLP of {args.params:.3g} parameters", "batch": args.batch}
+        if args.model == "bench"
+        else {"layers": args.layers, "width": args.width, "batch": args.batch}
+    )
+    rec.details.update(
+        ranks=args.ranks,
+        model=model | {"optimizer": "AdamW"},
+        threads=args.threads or "torch default",
+        modes=modes,
+        what="monitoring cost: min_interval = max_interval = 1e9 s, no step saves",
+    )
+    desc = (
+        f"smartckpt bench's MLP ({args.params:.3g} parameters)"
+        if args.model == "bench"
+        else f"MLP {args.layers}x{args.width}"
+    )
     print(
-        f"MLP {args.layers}x{args.width}, batch {args.batch}, AdamW, {args.device}, {args.ranks} rank(s): "
-        + ", ".join(modes),
+        f"{desc}, batch {args.batch}, AdamW, {args.device}, {args.ranks} rank(s): " + ", ".join(modes),
         flush=True,
     )
     for mode in modes:
-        result[mode.replace("-", "_")] = run_mode(args, mode)
-        print(
-            _line(
-                "api (mgr.step)" if mode == "api" else "zero-code (smartckpt run)",
-                result[mode.replace("-", "_")],
-            ),
-            flush=True,
+        key = mode.replace("-", "_")
+        res = run_mode(args, mode)
+        rec.details[key] = res
+        label = "API (mgr.step)" if mode == "api" else "zero-code (smartckpt run)"
+        print(_line(label, res), flush=True)
+        what = f"{label}, no step saves"
+        rec.add(
+            f"{key}.overhead_pct",
+            100 * res["overhead_median"],
+            "%",
+            f"{what}: time per step with / without - 1, median over pairs",
         )
-        if args.json:  # after each mode: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        rec.add(
+            f"{key}.overhead_q1_pct",
+            100 * res["overhead_iqr"][0],
+            "%",
+            f"{what}: first quartile of the per-pair overhead",
+        )
+        rec.add(
+            f"{key}.overhead_q3_pct",
+            100 * res["overhead_iqr"][1],
+            "%",
+            f"{what}: third quartile of the per-pair overhead",
+        )
+        rec.add(
+            f"{key}.inside_us",
+            res["inside_us_per_step"],
+            "us",
+            f"{what}: time inside smartckpt's code per step (mgr.step and its hooks)",
+        )
+        rec.add(
+            f"{key}.inside_pct", 100 * res["inside_share"], "%", f"{what}: the same, as a share of the step"
+        )
+        rec.add(
+            f"{key}.step_ms_without",
+            res["step_ms_without"],
+            "ms",
+            f"{what}: step without smartckpt (median block)",
+        )
+        rec.add(
+            f"{key}.step_ms_with",
+            res["step_ms_with"],
+            "ms",
+            f"{what}: step with smartckpt's monitoring (median block)",
+        )
+        rec.add(f"{key}.pairs", res["pairs"], "count", f"{what}: pairs of blocks in the figures")
+        rec.add(
+            f"{key}.eval_every",
+            res["eval_every_settled"],
+            "steps",
+            f"{what}: steps between evaluations the manager settled on",
+        )
+        rec.write(args.json)  # after each mode: a run cut short keeps what it measured
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import _common as C
+import _record
 import torch
 
 import smartckpt_cli as sc
@@ -46,8 +47,10 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     C.add_device_argument(ap, "where the model trains")
+    _record.add_json_argument(ap, "trigger_cost")
     args = ap.parse_args()
     device = C.device_of(args, ap)
+    rec = _record.start("trigger_cost", device)
     torch.set_num_threads(args.threads)
     model, opt = build_model(int(args.params), device=device)
     n = sum(p.numel() for p in model.parameters())
@@ -133,6 +136,25 @@ def main() -> None:
         f"direct: time inside mgr.step + its optimizer pre-hook {statistics.median(direct) * 1e3:.2f} ms/step "
         f"= {statistics.median(direct) / base:.2%} of a step (max block {max(direct) / base:.2%})"
     )
+    what = f"eval_every {args.eval_every}, no save"
+    rec.add("step_ms", base * 1e3, "ms", "step without the manager (median of blocks)")
+    rec.add(
+        "ab_pct",
+        100 * statistics.median(diff) / base,
+        "%",
+        f"{what}: per-pair difference with / without, median, share of a step",
+    )
+    rec.add("ab_q1_pct", 100 * q[0] / base, "%", f"{what}: first quartile of the difference")
+    rec.add("ab_q3_pct", 100 * q[2] / base, "%", f"{what}: third quartile of the difference")
+    rec.add(
+        "direct_pct",
+        100 * statistics.median(direct) / base,
+        "%",
+        f"{what}: inside mgr.step and its optimizer pre-hook (the gradient hook not timed), share of a step",
+    )
+    rec.details.update(params=n, batch=args.batch, threads=args.threads, pairs=pairs, evaluations=evals)
+    rec.write(args.json)
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as C
+import _record
 import torch
 
 from smartckpt_cli import CheckpointManager
@@ -235,10 +236,11 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=None, help="calibrate all policies to N")
     ap.add_argument("--workdir", default="/tmp/smartckpt-trigger-eval")
     ap.add_argument("--reuse", help="a workdir of an earlier run: simulate its traces, train nothing")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    _record.add_json_argument(ap, "trigger_eval")
     C.add_device_argument(ap, "where the model trains")
     args = ap.parse_args()
     args.dev = C.device_of(args, ap)
+    rec = _record.start("trigger_eval", args.dev)
     torch.set_num_threads(args.threads)
     spikes = [int(s) for s in args.spikes.split(",") if s.strip()]
     work = Path(args.reuse or args.workdir)
@@ -275,7 +277,60 @@ def main() -> None:
                 clean2 = clean_distances(res2, trace.rows, spikes, args.keep_last)
                 results[label] = {**res2.to_json(), "clean": clean2}
                 results[label]["verdict"] = report(label, res2, step_s, clean2)
-    C.write_json(args.json, results)
+                if "onset" in label:
+                    figures(rec, "onset", res2, None)
+        figures(rec, name, res, clean)
+    rec.details = results
+    rec.write(args.json)
+    print(f"wrote {args.json}")
+
+
+def figures(rec: Any, name: str, res: SimResult, clean: dict[str, Any] | None) -> None:
+    """The trace's figures: lost work and distances, adaptive against fixed."""
+    fixed, adaptive = res.policy("fixed"), res.policy("adaptive")
+    trace = {"clean": "plain trace", "spikes": "spike trace", "onset": "spike trace, rollback at the onset"}[
+        name
+    ]
+    if name != "onset":
+        rec.add(
+            f"{name}.checkpoints",
+            adaptive.checkpoints,
+            "count",
+            f"{trace}: checkpoints of each policy (calibrated)",
+        )
+        rec.add(
+            f"{name}.lost_ratio",
+            adaptive.mean_lost / fixed.mean_lost,
+            "x",
+            f"{trace}: expected lost work per failure, adaptive / fixed",
+        )
+    if res.onsets and adaptive.mean_distance:
+        rec.add(
+            f"{name}.distance_ratio",
+            fixed.mean_distance / adaptive.mean_distance,
+            "x",
+            f"{trace}: mean distance from a loss spike's onset back to the checkpoint rolled back to, fixed / adaptive",
+        )
+        rec.add(f"{name}.onsets", len(res.onsets), "count", f"{trace}: loss events detected")
+    if clean is not None and clean["detected"]:
+        rec.add(
+            f"{name}.clean_adaptive_s",
+            statistics.fmean(clean["adaptive"]["distances"]),
+            "s",
+            f"{trace}: clean distance, adaptive (mean)",
+        )
+        rec.add(
+            f"{name}.clean_fixed_s",
+            statistics.fmean(clean["fixed"]["distances"]),
+            "s",
+            f"{trace}: clean distance, fixed (mean)",
+        )
+        rec.add(
+            f"{name}.detected",
+            len(clean["detected"]),
+            "count",
+            f"{trace}: perturbations followed by a detected loss event",
+        )
 
 
 if __name__ == "__main__":

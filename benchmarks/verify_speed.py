@@ -40,6 +40,7 @@ if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.pa
     sys.path.insert(0, str(ROOT))
 
 import _common as C  # noqa: E402
+import _record  # noqa: E402
 import torch  # noqa: E402
 
 from smartckpt_cli import CheckpointManager  # noqa: E402
@@ -140,10 +141,11 @@ def main() -> None:
     p.add_argument("--params", type=float, default=1e8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workers", type=int, default=0, help="verify threads (0: verify's default)")
-    p.add_argument("--json", default=None, help="also write the results here")
     C.add_device_argument(p, "where the model whose checkpoint is verified lives")
+    _record.add_json_argument(p, "verify_speed")
     args = p.parse_args()
     device = C.device_of(args, p)
+    rec = _record.start("verify_speed", device)
 
     base = Path(tempfile.mkdtemp(prefix="verify-speed-", dir=args.dir))
     store = base / "store"
@@ -203,22 +205,16 @@ def main() -> None:
             + ("(>= 0.5: ok)" if ratio >= 0.5 else "(below 0.5)")
             + f"; load {os.getloadavg()[0]:.2f}"
         )
-        if args.json:
-            Path(args.json).write_text(
-                json.dumps(
-                    {
-                        "raw_bytes": raw,
-                        "on_disk_bytes": on_disk,
-                        "blobs": len(paths),
-                        "reps": args.reps,
-                        "samples_bytes_per_s": res,
-                        "median_bytes_per_s": med,
-                        "ratio": ratio,
-                        "cpus": os.cpu_count(),
-                    },
-                    indent=2,
-                )
-            )
+        rec.add("raw_gb", raw / 1e9, "GB", "model and AdamW state, raw")
+        rec.add("on_disk_gb", on_disk / 1e9, "GB", "the checkpoint on disk")
+        rec.add("blobs", len(paths), "count", "blob files")
+        for k, v in med.items():
+            rec.add(f"{k}.gb_s", v / 1e9, "GB/s", f"{k} from a cold page cache, median of {len(res[k])}")
+        rec.add("read_bound_gb_s", bound / 1e9, "GB/s", f"the machine's sequential read bandwidth ({best})")
+        rec.add("ratio", ratio, "x", "verify's throughput / the sequential read bandwidth")
+        rec.details.update(reps=args.reps, samples_bytes_per_s=res, best_read=best)
+        rec.write(args.json)
+        print(f"wrote {args.json}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.ops.bench_result import RATIOS
+from smartckpt_cli.ops.bench_result import DERIVED, RATIOS
 from smartckpt_cli.ops.bench_throughput import CONTENDERS
 
 MEASURES = {
@@ -34,6 +34,9 @@ MEASURES = {
     "smartckpt.restore",
     "train_step",
     "train_step_with_lazy_save",
+    "smartckpt.eager_step_with_save",
+    "train_step_plain",
+    "dcp.async_save.step_with_save",
 }
 REPS, ROUNDS, EVERY = 2, 2, 0.3
 
@@ -59,23 +62,28 @@ def bench_run(tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    return json.loads(out.read_text()), work, proc
+    record = json.loads(out.read_text())
+    return record["details"], work, proc, record
 
 
 @pytest.mark.slow
 def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
-    res, work, proc = bench_run
+    res, work, proc, _ = bench_run
     assert res["reps"] == REPS and 2.5e6 < res["params"] < 3.5e6
     assert res["device"] == "cpu" and res["complete"] is True
     assert res["parts_done"] == ["first-save", "throughput", "saves"]
-    assert "plain async_save" in res["dcp_async_staging"]  # on CPU: no pinned staging to pick
-    assert set(res["median_seconds"]) == MEASURES | {"smartckpt.first_lazy_loop_wait"}
+    # on CPU too, DCP stages on its own thread, overlapping the next step as smartckpt's lazy copy does
+    assert "asynchronous staging on a background thread" in res["dcp_async_staging"]
+    assert set(res["median_seconds"]) == MEASURES | set(DERIVED) | {"smartckpt.first_lazy_loop_wait"}
     for name in MEASURES:
         samples = res["samples"][name]
         assert len(samples) == REPS and all(s > 0 for s in samples), name
     assert len(res["samples"]["smartckpt.first_lazy_loop_wait"]) == 1
     assert set(res["ratios"]) == set(RATIOS)
     med = res["median_seconds"]
+    for name, (with_save, without) in DERIVED.items():  # the step-time differences, per repetition
+        pairs = zip(res["samples"][with_save], res["samples"][without], strict=True)
+        assert med[name] == pytest.approx(statistics.median(a - b for a, b in pairs)), name
     for label, (a, b) in RATIOS.items():
         assert res["ratios"][label] == pytest.approx(med[a] / med[b]), label
     sizes = res["bytes_on_disk"]
@@ -84,6 +92,37 @@ def test_bench_measures_every_contender_and_cleans_up(bench_run) -> None:
     assert sizes["dcp.save"] > 0
     assert list(work.iterdir()) == [], "the bench left files in its work directory"
     assert "training throughput, a save every 0.3 s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_json_is_a_result_file_with_its_command_and_figures(bench_run) -> None:
+    """`--json` writes the result file every benchmark writes (docs/benchmarks.md): the command
+    as run, the machine, and every median, ratio and size as a figure with its unit."""
+    res, _, _, record = bench_run
+    render_docs = _render_docs()
+    problems = render_docs.check_result(record, committed=False)
+    assert problems == [], problems
+    assert record["command"].startswith("smartckpt bench --device cpu --params 3e6")
+    assert record["benchmark"] == "bench" and record["device"]["type"] == "cpu"
+    assert record["machine"]["cpus"] >= 1 and record["machine"]["memory_bytes"] > 0
+    figures = record["figures"]
+    for name, value in res["median_seconds"].items():
+        assert figures[name] == {"value": value, "unit": "s", "what": figures[name]["what"]}, name
+    for label, value in res["ratios"].items():
+        assert figures[f"ratio: {label}"]["value"] == value and figures[f"ratio: {label}"]["unit"] == "x"
+    assert figures["bytes.smartckpt"]["value"] == res["bytes_on_disk"]["smartckpt"]
+    assert figures["throughput.smartckpt.ratio"]["unit"] == "x"
+
+
+def _render_docs():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "render_docs.py"
+    spec = importlib.util.spec_from_file_location("render_docs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
@@ -159,7 +198,7 @@ def test_bench_stopped_by_sigterm_keeps_its_finished_parts_and_cleans_up(tmp_pat
             proc.kill()
     err = proc.stderr.read()[-3000:] if proc.stderr else ""
     assert rc == 128 + signal.SIGTERM, err
-    res = json.loads(out.read_text())
+    res = json.loads(out.read_text())["details"]
     assert res["parts_done"] == ["first-save"] and res["complete"] is False, (res["parts_done"], err)
     assert res["samples"]["smartckpt.first_lazy_loop_wait"][0] > 0
     left = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
@@ -178,3 +217,79 @@ def test_gpu_check_runs_every_file_with_cuda_tests():
     assert marked, "no CUDA tests found"
     for name in marked:
         assert f"tests/{name}" in script, f"{name} has CUDA tests that gpu_check.sh does not run"
+
+
+def test_gpu_check_refuses_a_step_it_does_not_have_in_one_line(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out")],
+        env={"PATH": "/usr/bin:/bin", "GPU_CHECK_STEPS": "tests warp_drive"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "gpu_check: GPU_CHECK_STEPS: no step 'warp_drive' (steps: tests step_cost loop_wait bench throughput)"
+    ]
+
+
+def test_gpu_check_summary_reads_every_result_file_the_check_writes(tmp_path: Path) -> None:
+    """The summary of a GPU check, from the result files its steps write (the format of
+    benchmarks/results/): each step's figures are in it, a missing file is said as such."""
+    from smartckpt_cli.ops.bench_record import Record
+    from smartckpt_cli.ops.bench_result import BenchResult
+
+    dev = {"type": "cuda", "name": "a GPU"}
+    step = Record("step_cost", "python benchmarks/step_cost.py --device cuda", device=dev, torch="t")
+    mode = {
+        "pairs": 10, "step_ms_without": 1.8, "step_ms_with": 1.85, "steps_per_s_without": 555.0,
+        "steps_per_s_with": 540.0, "overhead_median": 0.027, "overhead_iqr": [0.01, 0.04], "inside_us_per_step": 21.5,
+    }  # fmt: skip
+    step.add("api.overhead_pct", 2.7, "%", "api")
+    step.details = {
+        "ranks": 1,
+        "model": {"layers": 8, "width": 1024, "batch": 256, "optimizer": "AdamW"},
+        "api": mode,
+    }
+    step.write(tmp_path / "step_cost-gpu.json")
+    loop = Record("loop_wait", "python benchmarks/loop_wait.py --model bench", device=dev, torch="t")
+    for way, wait in (
+        ("smartckpt_lazy", 3.0),
+        ("dcp_async_staged", 9.0),
+        ("smartckpt_eager", 40.0),
+        ("dcp_in_call", 45.0),
+    ):
+        loop.add(f"{way}.wait_ms", wait, "ms", way)
+        loop.add(f"{way}.background_ms", 1.0, "ms", way)
+        loop.add(f"{way}.written_s", 2.5, "s", way)
+    loop.details = {"model_description": "MLP of 100.7M parameters, batch 4096, AdamW"}
+    loop.write(tmp_path / "loop_wait-gpu.json")
+    bench = BenchResult(params=400_000_000, state_bytes=4_800_000_000, reps=1, device="cuda")
+    bench.info = {"device_name": "a GPU", "torch": "t", "batch": 4096, "dcp_async_staging": "DefaultStager"}
+    bench.add("smartckpt.first_lazy_loop_wait", 0.012)
+    bench.add("torch.save+fsync", 9.5)
+    bench.done = ["first-save"]
+    bench.record("smartckpt bench --device cuda").write(tmp_path / "bench-gpu.json")
+    (tmp_path / "steps.txt").write_text(
+        "tests|0|60|120\nstep_cost|0|80|120\nloop_wait|0|100|150\nbench|124|300|300\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_check_summary.py"), "--results", str(tmp_path),
+         "--steps", str(tmp_path / "steps.txt"), "--device", "cuda", "--seconds", "460", "--budget", "480"],
+        check=True, timeout=60,
+    )  # fmt: skip
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| bench | 124 | 300 | 300 |" in summary
+    assert "no pytest.xml" in summary  # said, not guessed
+    assert (
+        "| API | MLP 8x1024, batch 256, AdamW | 1 | 10 | 1.800 | 1.850 | 0.973x | +2.70 % (+1.00 .. +4.00) | 21.5 |"
+        in summary
+    )
+    assert "- zero-code: no figures in step_cost-gpu.json" in summary
+    assert "| smartckpt_lazy | 3.0 ms | 1.0 ms | 2.500 s |" in summary
+    assert "| dcp_in_call | 45.0 ms | 1.0 ms | 2.500 s |" in summary
+    assert "**First save**: the loop waited 12.0 ms" in summary and "(cut short)" in summary
+    assert "no throughput-gpu.json" in summary

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -104,12 +105,12 @@ def bench(
     from smartckpt_cli.cli.bench_view import render
     from smartckpt_cli.ops.bench import run_bench
 
+    command = shlex.join(["smartckpt", *sys.argv[1:]])
+
     def write(result: Any) -> None:
         # Rewritten after every part, so a bench cut short (a time limit) keeps what it measured.
         if as_json is not None:
-            tmp = as_json.with_name(as_json.name + ".tmp")
-            tmp.write_text(json.dumps(result.to_json(), indent=2))
-            tmp.replace(as_json)
+            result.record(command).write(as_json)
 
     # SIGTERM (a time limit's `timeout`) ends the bench through its cleanup, which removes the
     # checkpoints it wrote, instead of leaving them in the work directory.

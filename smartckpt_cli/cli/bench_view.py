@@ -7,25 +7,18 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from smartckpt_cli.ops.bench_result import RATIOS, BenchResult
+from smartckpt_cli.ops.bench_result import LABELS, RATIOS, BenchResult
 
-_ROWS = [
-    ("bound.copy", "lower bound: copy into preallocated buffers"),
-    ("bound.write+fsync", "lower bound: sequential write + fsync"),
-    ("torch.save+fsync", "torch.save + fsync"),
-    ("torch.load+load_state_dict", "torch.load + load_state_dict"),
-    ("dcp.save", "DCP save"),
-    ("dcp.load", "DCP load + set_state_dict"),
-    ("dcp.async_save.blocking", "DCP async_save, blocking (call + staging copy)"),
-    ("dcp.async_save.total", "DCP async_save, total"),
-    ("smartckpt.blocking", "smartckpt save(), blocking (eager copy)"),
-    ("smartckpt.first_lazy_loop_wait", "smartckpt step(), loop wait of the first save"),
-    ("smartckpt.lazy_loop_wait", "smartckpt step(), loop wait (lazy copy)"),
-    ("smartckpt.committed", "smartckpt, until committed"),
-    ("smartckpt.restore", "smartckpt restore (verify + load)"),
-    ("train_step", "one training step (fwd+bwd+AdamW)"),
-    ("train_step_with_lazy_save", "one training step right after a lazy save"),
-]
+_NOT_A_TRANSFER = {
+    "train_step",
+    "train_step_with_lazy_save",
+    "smartckpt.eager_step_with_save",
+    "train_step_plain",
+    "dcp.async_save.step_with_save",
+    "smartckpt.lazy_step_extra",
+    "smartckpt.eager_step_extra",
+    "dcp.async_save.step_extra",
+}
 
 
 def render(result: BenchResult, console: Console) -> None:
@@ -41,10 +34,10 @@ def render(result: BenchResult, console: Console) -> None:
     t.add_column("measure")
     t.add_column("seconds", justify="right")
     t.add_column("GB/s", justify="right")
-    for key, label in _ROWS:
+    for key, label in LABELS.items():
         m = result.median(key)
         if m is not None:
-            t.add_row(label, f"{m:.3f}", f"{gb / m:.2f}" if m > 0 else "-")
+            t.add_row(label, f"{m:.3f}", f"{gb / m:.2f}" if m > 0 and key not in _NOT_A_TRANSFER else "-")
     console.print(t)
     tp = result.throughput
     if tp is not None and tp.steps_per_second:

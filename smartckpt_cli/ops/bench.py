@@ -16,14 +16,20 @@ leaves the figures it has:
 
    * ``torch.save`` + fsync (the traditional baseline) and ``torch.load`` + ``load_state_dict``;
    * ``torch.distributed.checkpoint`` ``save``, ``load`` and ``async_save`` (blocking time: the
-     call and its staging copy; total time: until written), staging as in bench_savers.py;
+     call and what the next step's update waited for its staging copy; total time: until
+     written), staging as in bench_savers.py;
    * the machine's lower bounds: copying the state into preallocated buffers (pinned host memory
      on CUDA: the device-to-host bound), and a sequential write + fsync of as many bytes.
 
    smartckpt runs as in training, one manager for the whole bench (``keep_last=2``), and is
    measured on its eager path (``save()``: blocking time = the whole snapshot copy), its lazy path
-   inside a real training step (what the loop actually waits), the time until the journal commit,
-   the bytes on disk and the restore time.
+   inside a real training step, the time until the journal commit, the bytes on disk and the
+   restore time.
+
+   Each save (smartckpt's eager and lazy, DCP's ``async_save``) is also followed by one training
+   step, timed with it: a step with the save, against a step of the same model without one, is
+   the loop wait as the training loop's clock sees it (``DERIVED`` in bench_result.py), the same
+   way for every tool. The library's own counter (``SaveHandle.loop_wait_seconds``) is kept too.
 
 smartckpt trains its own model (its manager's optimizer hooks are on it); the other contenders
 share a second model built the same way (bench_model.py). No rich here: the CLI renders the
@@ -284,9 +290,18 @@ def _one_save_at_a_time(
         path = root / f"dcp-async-{rep}"
         sync()
         t0 = time.perf_counter()
+        plain.step()  # the reference: one step of this model without a save
+        sync()
+        result.add("train_step_plain", time.perf_counter() - t0)
+        # Saved at a step boundary, then one training step, whose update waits for the staging
+        # copy: what the loop waits, measured as for smartckpt's lazy save.
+        t0 = time.perf_counter()
         pending = dcp.async_save(path)
-        # What the loop must wait before its next optimizer update may change the tensors.
-        result.add("dcp.async_save.blocking", pending.call_seconds + pending.wait_staged())
+        staged: list[float] = []
+        plain.step(before_update=lambda: staged.append(pending.wait_staged()))
+        sync()
+        result.add("dcp.async_save.step_with_save", time.perf_counter() - t0)
+        result.add("dcp.async_save.blocking", pending.call_seconds + sum(staged))
         pending.wait()
         result.add("dcp.async_save.total", time.perf_counter() - t0)
         rotation.rotate("dcp-async", path)
@@ -296,7 +311,13 @@ def _one_save_at_a_time(
         # previous one.
         smart.step()
         sync()
+        # The eager path: save() copies everything before it returns; then one training step
+        # (beside the background persist, as DCP's step runs beside its upload).
+        t0 = time.perf_counter()
         handle = mgr.save(smart.steps)
+        smart.step()
+        sync()
+        result.add("smartckpt.eager_step_with_save", time.perf_counter() - t0)
         info = handle.wait()
         if handle.error is not None:
             raise handle.error

@@ -2,12 +2,14 @@
 
 * ``torch.save`` of the model's and the optimizer's state dicts into one file, flushed and
   fsynced (durable, like a smartckpt commit), restored with ``torch.load`` + ``load_state_dict``;
-* ``torch.distributed.checkpoint`` (DCP): ``save``, ``async_save`` and ``load``. On CUDA,
-  ``async_save`` gets the best staging the installed torch offers, kept for the whole bench so
-  its pinned buffers are allocated once, as DCP's documentation recommends: ``DefaultStager``
-  with pinned memory and asynchronous staging on a side stream where the installed torch has it
-  (2.13 does), else ``BlockingAsyncStager`` with a cached pinned copy, else plain ``async_save``
-  (staging into pageable memory). Which one ran is reported (:attr:`DcpSaver.staging`).
+* ``torch.distributed.checkpoint`` (DCP): ``save``, ``async_save`` and ``load``. ``async_save``
+  gets the best staging the installed torch offers, kept for the whole bench so its buffers are
+  allocated once, as DCP's documentation recommends: ``DefaultStager`` with asynchronous staging
+  (on a side stream into pinned memory on CUDA, on a background thread on the CPU) where the
+  installed torch has it (2.13 does), so that its copy overlaps the next forward and backward as
+  smartckpt's lazy copy does; else, on CUDA, ``BlockingAsyncStager`` with a cached pinned copy;
+  else plain ``async_save`` (staging into pageable memory inside the call). Which one ran is
+  reported (:attr:`DcpSaver.staging`).
 
 Every saver *rotates*: its new checkpoint is written while the previous one still exists, and the
 previous one is deleted only afterwards, outside the timed region (see :class:`Rotation`).
@@ -150,22 +152,27 @@ class DcpSaver:
 
 
 def _stager(device: torch.device) -> tuple[Any, str]:
-    """The best ``async_save`` staging this torch offers for ``device``, and its description."""
-    plain = "plain async_save (staging copy into pageable memory, inside the call)"
-    if device.type != "cuda":
-        return None, plain  # pinned memory only helps device-to-host copies
+    """The best ``async_save`` staging this torch offers for ``device``, and its description:
+    staging on DCP's own thread, so the copy overlaps the next forward and backward as
+    smartckpt's lazy copy does (into pinned memory on CUDA, where that speeds the copy up)."""
+    cuda = device.type == "cuda"
+    memory = "pinned memory" if cuda else "pageable memory"
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         options = StagingOptions(
-            use_pinned_memory=True,
+            use_pinned_memory=cuda,
             use_shared_memory=False,
             use_async_staging=True,
-            use_non_blocking_copy=True,
+            use_non_blocking_copy=cuda,
         )
-        return DefaultStager(options), "DefaultStager: pinned memory, asynchronous staging on a side stream"
+        where = "a side stream" if cuda else "a background thread"
+        return DefaultStager(options), f"DefaultStager: {memory}, asynchronous staging on {where}"
     except (ImportError, TypeError, AssertionError, RuntimeError):
         pass
+    plain = "plain async_save (staging copy into pageable memory, inside the call)"
+    if not cuda:
+        return None, plain
     try:
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
