@@ -127,8 +127,9 @@ _smartckpt() {
                 --config) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --remote) COMPREPLY=(); return ;;
                 --remote-start-wait) COMPREPLY=(); return ;;
+                --ram-every) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --resume-finished -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --ram-every --resume-finished -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

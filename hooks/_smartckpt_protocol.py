@@ -19,15 +19,16 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
                          supervisor sends :data:`STACK_SIGNAL` to a hung process.
 ``report.<pid>.json``    what the training process itself says it did (rewritten whole as it
                          learns more): where it began (``start_step``, ``restored_from``:
-                         ``disk``/``remote``/null, the ``checkpoint`` id and its ``lineage``),
+                         ``ram``/``disk``/``remote``/null, the ``checkpoint`` id and its ``lineage``),
                          whether the script called ``start_step()`` (``start_step_called``,
                          ``start_step_early``: before any optimizer existed), the resume check's
                          verdict (``resume_check``) and ``no_optimizer`` (backward passes, but no
                          ``torch.optim`` optimizer ever stepped); what went wrong since:
                          ``save_failures`` (count, last error, step), ``io_error`` (what cannot be
                          written and why; null once it works again), ``checkpointing_off`` (why
-                         zero-code checkpointing turned itself off, and at which step). Every
-                         key is optional.
+                         zero-code checkpointing turned itself off, and at which step). Phases
+                         of a restart (wall times): ``restore_began``, ``restore_done``,
+                         ``first_step_done``. Every key is optional.
 """
 
 from __future__ import annotations

@@ -20,7 +20,15 @@ import yaml
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.state.tiers import PRECISIONS, TierRule, parse_rules
 
-__all__ = ["CONFIG_FILE", "ENV_PREFIX", "Settings", "load_settings", "parse_every", "public_settings"]
+__all__ = [
+    "CONFIG_FILE",
+    "ENV_PREFIX",
+    "Settings",
+    "load_settings",
+    "parse_every",
+    "parse_size",
+    "public_settings",
+]
 
 CONFIG_FILE = "smartckpt.yaml"
 ENV_PREFIX = "SMARTCKPT_"
@@ -77,6 +85,11 @@ class Settings:
     # refuse to start (never a silent start over at step 0)...
     remote_start_wait: float = 300.0
     remote_start_fresh: bool = False  # ...unless asked to start a new store at step 0 at once
+    # the RAM tier (smartckpt run): the newest snapshot in shared memory that outlives the process
+    ram: bool = True  # off: staging in private memory, restarts restore from disk
+    ram_every: float | None = None  # seconds between RAM snapshots; None: as often as RAM_SHARE allows
+    ram_budget: str | None = None  # per rank: "8G", "512M", bytes; None: half the free memory / local ranks
+    ram_dir: str | None = None  # where the RAM tier lives (a tmpfs); None: /dev/shm
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -138,6 +151,13 @@ class Settings:
             raise ConfigError(
                 "remote_bandwidth_mb, remote_close_wait and remote_start_wait must be 0 or more"
             )
+        if self.ram_every is not None and not self.ram_every > 0:
+            raise ConfigError("ram_every must be positive (seconds)")
+        if self.ram_budget is not None:
+            try:
+                parse_size(self.ram_budget)
+            except ValueError as err:
+                raise ConfigError(f"ram_budget: {err}") from None
         for pat in self.no_restart_patterns:
             try:
                 re.compile(pat)
@@ -260,6 +280,8 @@ _IGNORED_ENV = {
     "SMARTCKPT_ATTEMPT",
     "SMARTCKPT_HOOKS_DIR",
     "SMARTCKPT_HOOKS_LOADED",
+    "SMARTCKPT_RAM_AREA",
+    "SMARTCKPT_RAM_BYTES",
 }
 
 
@@ -279,6 +301,20 @@ def parse_every(text: str) -> tuple[int | None, float | None]:
             raise ValueError("a duration must be positive")
         return None, sec
     raise ValueError(f"expected steps (50) or a duration (30s, 5m, 1h), not {text!r}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``8G``, ``512M``, ``1.5GiB``, ``1048576`` -> bytes (powers of 1024). ValueError if not a size."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?", str(text).strip().lower())
+    if m is None:
+        raise ValueError(f"expected a size (8G, 512M, 1.5GiB or bytes), not {text!r}")
+    size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if size <= 0:
+        raise ValueError("a size must be positive")
+    return size
 
 
 def _plain(value: Any) -> Any:

@@ -110,7 +110,9 @@ def test_ddp_rank_sigkilled_under_smartckpt_run_finishes_bit_exact(tmp_path, chi
     rec = json.loads(path.read_text())
     assert rec["outcome"] == "finished" and rec["restarts"] == 1, out
     resumed = rec["attempts"][0]["restart_from"]
-    assert resumed % 5 == 0 and resumed <= kill_at, out
+    # a checkpoint every 5 steps, or the RAM tier's newer snapshot persisted before the restart
+    assert resumed <= kill_at, out
+    assert resumed % 5 == 0 or resumed == rec["attempts"][0]["flash_persisted"], out
     assert f"rank 0 start {resumed}" in out and f"rank 1 start {resumed}" in out, out
     # every commit of the 2-rank run names both parts and the world size
     for e in _events(tmp_path / "ck" / "journal.jsonl"):

@@ -35,7 +35,9 @@ KILL_AT = 23  # iteration (0-based) after which nanogpt_shaped kills itself: ste
 
 
 def _env(child_env: dict[str, str], **extra: str) -> dict[str, str]:
-    return {**child_env, "SMARTCKPT_RESTART_BACKOFF": "0.1", **extra}
+    # These runs resume from a disk checkpoint of a known step; the RAM tier (on by default
+    # under smartckpt run, tests/test_ramtier.py) would resume from its newer snapshot instead.
+    return {**child_env, "SMARTCKPT_RESTART_BACKOFF": "0.1", "SMARTCKPT_RAM": "false", **extra}
 
 
 def _smartckpt(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> tuple[int, str]:

@@ -292,6 +292,12 @@ def run_cmd(
             help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
         ),
     ] = None,
+    ram_every: Annotated[
+        float | None,
+        typer.Option(
+            help="Seconds between snapshots kept in shared memory for a fast restart (default: as often as 2 % of the step time allows)."
+        ),
+    ] = None,
     resume_finished: Annotated[
         bool,
         typer.Option(
@@ -334,6 +340,7 @@ def run_cmd(
         "remote": remote,
         "remote_start_wait": remote_start_wait,
         "remote_start_fresh": remote_start_fresh,
+        "ram_every": ram_every,
     }
     raise typer.Exit(
         run_command(list(command or []), overrides, config, every, resume_finished=resume_finished)

@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,6 +78,7 @@ class Proposal:
     step_seconds: float = 0.0  # the step time (spacing of the decision steps)
     quiet_step: float = math.inf  # the policy's next step of interest
     spacing: int = 0  # this rank's own evaluation spacing
+    ram: bool = False  # a RAM snapshot is due by this rank's clock (rank 0's decides for all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class Verdict:
     skipped: bool = False  # a save was asked for while the previous one is still being written
     spacing: int | None = None  # the agreed evaluation spacing (``agreed``: from this step on)
     agreed: bool = False  # the ranks agreed at this step (``spacing`` holds)
+    ram: bool = False  # take a RAM snapshot alone at this step (no checkpoint is taken)
 
 
 @runtime_checkable
@@ -130,6 +132,11 @@ class Coordinator(Protocol):
 
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None: ...
 
+    def agree_on(self, value: Any) -> bool:
+        """Whether every rank holds the same ``value``, and not None (the RAM tier's restore:
+        every rank verified a RAM snapshot of the same step)."""
+        ...
+
 
 class SingleProcess:
     """One process: every call answers at once, no collective."""
@@ -144,6 +151,12 @@ class SingleProcess:
         return open_store()
 
     def agree_to_save(self, p: Proposal) -> Verdict:
+        v = self._agree(p)
+        if p.ram and p.can_save and not v.decision.save and v.signum is None:
+            return replace(v, ram=True)
+        return v
+
+    def _agree(self, p: Proposal) -> Verdict:
         signum = p.signal if p.can_save else None
         if p.decision.save and not p.can_save:
             return Verdict(NO, signum, p.decision)  # taken at the next step that can
@@ -173,6 +186,9 @@ class SingleProcess:
         return load_checkpoint(
             store.storage, store.blobs, record, store_id, skip_corrupt_l2=skip_corrupt_l2, workers=workers
         )
+
+    def agree_on(self, value: Any) -> bool:
+        return value is not None
 
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
         """The first of ``order`` (candidates with a ``.record``, newest first) that loads."""
@@ -259,11 +275,13 @@ class Ranks:
         if p.step < self._point:
             return Verdict(NO, None, wish)
         want = self.rank == 0 and wish is not None and not p.busy
+        ram = self.rank == 0 and p.ram
         gap = decide_gap(p.step, p.step_seconds, self._decide_cost, p.quiet_step) if self.rank == 0 else 1
         t0 = time.monotonic()
-        save, signum, gap, urgent, blocked, every = self.comm.decide(
-            want, p.signal or 0, gap, self._urgent, not p.can_save, p.spacing
+        code, signum, gap, urgent, blocked, every = self.comm.decide(
+            1 if want else 2 if ram else 0, p.signal or 0, gap, self._urgent, not p.can_save, p.spacing
         )
+        save = code == 1
         took = time.monotonic() - t0
         self._decide_cost = took if self._decide_cost == 0.0 else 0.8 * self._decide_cost + 0.2 * took
         # After a save or a signal the state of the schedule changes: agree again at the next step.
@@ -274,7 +292,7 @@ class Ranks:
         if signum:
             return Verdict(NO, signum, wish, spacing=spacing, agreed=True)
         if not (save or urgent):
-            return Verdict(NO, None, wish, spacing=spacing, agreed=True)
+            return Verdict(NO, None, wish, spacing=spacing, agreed=True, ram=code == 2)
         chosen = wish if save and wish is not None else None
         if chosen is None:
             chosen = Decision(True, "rank 0 trigger" if save else "memory pressure", calm=p.decision.calm)
@@ -310,6 +328,15 @@ class Ranks:
             skip_corrupt_l2=skip_corrupt_l2,
             workers=workers,
         )
+
+    def agree_on(self, value: Any) -> bool:
+        heard = self.comm.to_root(value)
+        same = (
+            None
+            if heard is None
+            else [heard[0] is not None and all(v == heard[0] for v in heard)] * self.world
+        )
+        return bool(self.comm.from_root(same))
 
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
         """Every rank loads the same step: the newest that verifies on all of them."""

@@ -87,20 +87,21 @@ class Comm:
     # -- training thread ---------------------------------------------------------------
     def decide(
         self,
-        save: bool,
+        save: int,
         signum: int,
         gap: int = 1,
         urgent: bool = False,
         blocked: bool = False,
         every: int = 0,
-    ) -> tuple[bool, int, int, bool, bool, int]:
+    ) -> tuple[int, int, int, bool, bool, int]:
         """One agreement of every rank at a decision step (coordinator.py): rank 0's save decision,
         the steps to the next decision step (``gap``) and its evaluation spacing (``every``: the
         ranks evaluate at the same steps, so no rank waits for another's evaluation in the
         training's own collectives), the highest preemption signal any rank received, whether
         any rank needs a save at once (memory pressure), and whether any rank cannot take a save
-        at this step (zero-code mode without its boundary record). Six integers to rank 0, their
-        maximum back: two rounds, 48 bytes each way per rank."""
+        at this step (zero-code mode without its boundary record). ``save``: 1 a checkpoint, 2 a
+        RAM snapshot alone (the RAM tier's cadence is rank 0's too), 0 neither. Six integers to
+        rank 0, their maximum back: two rounds, 48 bytes each way per rank."""
         import torch.distributed as dist
 
         mine = [int(save), gap, every] if self.rank == 0 else [0, 0, 0]
@@ -113,7 +114,7 @@ class Comm:
             dist.gather(t, None, dst=0, group=self.decide_group)
         dist.broadcast(t, src=0, group=self.decide_group)
         v = t.tolist()
-        return bool(v[0]), int(v[1]), max(1, int(v[2])), bool(v[3]), bool(v[4]), int(v[5])
+        return int(v[0]), int(v[1]), max(1, int(v[2])), bool(v[3]), bool(v[4]), int(v[5])
 
     def broadcast(self, obj: Any, *, commit: bool = False) -> Any:
         """Rank 0's ``obj`` on every rank (a size, then the bytes: gloo's binomial tree)."""

@@ -46,6 +46,7 @@ from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded, same_lineage
 from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
@@ -197,6 +198,12 @@ class CheckpointManager(StepPath, SavePath):
         self._hooks: list[Any] = []
         self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
         self._stager = Stager()
+        # Under smartckpt run: the RAM tier, staging in shared memory that outlives this process
+        # (ramtier.py); RAM snapshots are due from this monotonic time on.
+        self._ram = RamTier.open(s, self.store_id, self._coord.rank, self._coord.world)
+        self._ram_due = math.inf
+        self._first_step_report = False  # report the first step after a restore (smartckpt run)
+        self._read_began = 0.0  # when the last read() began (wall time)
         self._persister = Persister(
             self.store.storage,
             self.store.blobs,
@@ -234,7 +241,7 @@ class CheckpointManager(StepPath, SavePath):
         # continuation of the checkpoints before it (inspect tells them apart, restore never
         # falls back from one into another).
         self.lineage: str | None = uuid.uuid4().hex[:12]
-        self._restored_from: str | None = None  # "disk" | "remote": where the last read came from
+        self._restored_from: str | None = None  # "ram" | "disk" | "remote": where the last read came from
         # The resume check (resumecheck.py): armed for the step after a save or a restore; zero-
         # code mode hands the loss of the step being updated (``_pre_update``) before step().
         self._check = ResumeCheck()
@@ -322,8 +329,16 @@ class CheckpointManager(StepPath, SavePath):
         store has none). Integrations whose objects appear at different times (a Trainer builds
         its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
         self.wait()
+        self._read_began = time.time()
         state = self.store.journal.read()
         reset = self.settings.on_l2_corrupt == "reset"
+        # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
+        # and every chunk verifies (on every rank), else the disk, then the remote, as before.
+        every = self._source.order(state, include_unhealthy=include_unhealthy)
+        loaded_ram = self._read_ram(every[0].record.step if every else -1, include_unhealthy)
+        if loaded_ram is not None:
+            self._restored_from = "ram"
+            return loaded_ram
 
         def read_part(rec: Any) -> Loaded:
             return self._coord.load(
@@ -333,7 +348,6 @@ class CheckpointManager(StepPath, SavePath):
         # The newest candidate that verifies (several ranks: on every rank); a local copy that
         # fails is repaired from the remote tier when there is one. Only the newest lineage:
         # falling back into an older one would resume another run's training as if it were this.
-        every = self._source.order(state, include_unhealthy=include_unhealthy)
         order = same_lineage(every)
         where: dict[str, str] = {}
 
@@ -357,6 +371,25 @@ class CheckpointManager(StepPath, SavePath):
             report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
         else:
             self._restored_from = where.get(loaded.record.id, "disk")
+        return loaded
+
+    def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
+        """The RAM tier's snapshot, verified, when it is at least as new as ``disk_step``; with
+        several ranks only when every rank has verified one of the same step."""
+        if self._ram is None and not os.environ.get(ENV_AREA):
+            return None  # no RAM tier on any rank (the area is the same on every rank)
+        # A rank whose tier is off still takes part in the agreement below (a collective).
+        rec = self._ram.candidate(include_unhealthy=include_unhealthy) if self._ram is not None else None
+        loaded = None
+        if self._ram is not None and rec is not None and int(rec["step"]) >= disk_step:
+            loaded = self._ram.load(rec)
+        step = int(loaded.record.step) if loaded is not None else None
+        if not self._coord.agree_on(step):
+            if loaded is not None:
+                logger.warning(
+                    "smartckpt: the RAM snapshot of step %s is not on every rank; restoring from disk", step
+                )
+            return None
         return loaded
 
     def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
@@ -413,7 +446,12 @@ class CheckpointManager(StepPath, SavePath):
             restored_from=self._restored_from or "disk",
             checkpoint=rec.id,
             lineage=self.lineage,
+            # for smartckpt run's record of a restart: the restore's phases (wall times); the
+            # first resumed step's end follows from step() (_first_step_report)
+            restore_began=self._read_began,
+            restore_done=time.time(),
         )
+        self._first_step_report = True
 
     def _some_tensors(self) -> list[torch.Tensor]:
         """A parameter of every registered module and optimizer: where the training runs."""
@@ -491,6 +529,8 @@ class CheckpointManager(StepPath, SavePath):
             self._closed = True
             self._saver.shutdown(wait=True)
             self._persister.close()
+            if self._ram is not None:
+                self._ram.close()
             self._trace.flush()
             self._memory.close()
             late = self._preempt.take()

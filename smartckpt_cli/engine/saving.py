@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -33,11 +34,13 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
 from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import UnsupportedValueError
+from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
 from smartckpt_cli.trigger.cost import SaveCost
@@ -142,6 +145,9 @@ class SavePath:
     _cost: SaveCost
     _pruned_seen: int
     _last_loss: torch.Tensor | float | None
+    _ram: RamTier | None
+    _ram_due: float
+    _prepare: bool
     _last_reading: SignalReading | None
     _quiet: tuple[float, float]
     _wish: Decision | None
@@ -192,12 +198,23 @@ class SavePath:
         return math.isfinite(value)
 
     def _save(
-        self, step: int, decision: Decision, *, lazy: bool, objects: dict[str, tuple[str, Any]] | None = None
+        self,
+        step: int,
+        decision: Decision,
+        *,
+        lazy: bool,
+        objects: dict[str, tuple[str, Any]] | None = None,
+        ram_only: bool = False,
     ) -> SaveHandle:
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
         self.wait()  # one save in flight: its staging buffers are about to be refilled
+        # The RAM tier's free slot (ramtier.py): the snapshot's staging buffers are its memory.
+        ram = self._ram.begin() if self._ram is not None else None
+        if ram_only and ram is None:
+            return SaveHandle(step, None)  # nothing to take it into (a slot being read): skipped
+        self._stager.use(ram[1] if ram is not None else None)
         try:
             snap = take_snapshot(
                 self._objects if objects is None else objects,
@@ -211,8 +228,18 @@ class SavePath:
                 lazy_params=self._guarded_params() if lazy else None,
             )
         except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
+            self._stager.use(None)
+            if ram is not None:
+                self._ram_end(ram[0])
             self._save_failed(step, err)
             return SaveHandle.failed(step, err)
+        if ram is not None:
+            if self._stager.missed:  # an entry without its place in the slot: not a RAM snapshot
+                self._ram_end(ram[0])
+                self._prepare = True  # the state changed shape: the slots are laid out again
+            else:
+                snap.ram_slot = ram[0]
+        self._stager.use(None)
         healthy = self._loss_is_finite()
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
@@ -222,13 +249,16 @@ class SavePath:
         if self.lineage is not None:
             snap.meta["lineage"] = self.lineage
         # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
-        # of the next step, whose loss and gradients exist already: they go with the checkpoint.
+        # of the next step, whose loss and gradients exist already: they go with the checkpoint
+        # (a RAM snapshot's too).
         ahead = self._ahead
         next_step: Values | None = None
         slot: NextStepSlot | None = None
         if ahead is not None and ahead[0] == step + 1:
             next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
-        else:  # taken at step(step + 1): into the manifest if still in time, else the journal
+        if ram_only:
+            return self._hand_over(snap, t0, ram_only=True, next_step=next_step)
+        if next_step is None:  # taken at step(step + 1): into the manifest if still in time, else the journal
             slot = NextStepSlot()
             snap.before_manifest = slot.close
         snap_time = time.monotonic()
@@ -241,13 +271,63 @@ class SavePath:
         self._quiet, self._wish = (-math.inf, -math.inf), None
         self._clock.skip()
         self._uncalm()
-        future = self._saver.submit(self._persist, snap, snap_time, next_step)
-        handle = SaveHandle(step, future, snap)
-        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
-        self._inflight = handle
+        handle = self._hand_over(snap, t0, snap_time=snap_time, next_step=next_step)
         if next_step is None:
             self._check.expect(step + 1, handle, slot)
         return handle
+
+    def _hand_over(
+        self,
+        snap: Any,
+        t0: float,
+        *,
+        snap_time: float = 0.0,
+        ram_only: bool = False,
+        next_step: Values | None = None,
+    ) -> SaveHandle:
+        """The snapshot to the save thread: a RAM snapshot alone (``ram_only``: hashed and
+        recorded, nothing written to disk; the disk's schedule does not move) or a checkpoint."""
+        future: Future[Any]
+        if ram_only:
+            snap.ram_only = True
+            if snap.lazy:
+                self._lazy_snapshot = snap
+            self._clock.skip()
+            self._uncalm()
+            future = self._saver.submit(self._persist_ram, snap, next_step)
+        else:
+            future = self._saver.submit(self._persist, snap, snap_time, next_step)
+        if self._ram is not None:
+            self._ram_due = time.monotonic() + self._ram.interval()
+        handle = SaveHandle(snap.step, future, snap)
+        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
+        self._inflight = handle
+        return handle
+
+    def _ram_end(self, slot: int) -> None:
+        assert self._ram is not None
+        self._ram.end(slot)
+
+    def _ram_commit(self, snap: Any) -> None:
+        """Save thread: the snapshot becomes the RAM snapshot once its copies are done (hashed,
+        recorded; ramtier.py). A failure is said once and the RAM tier stands down: the disk
+        save goes on."""
+        if snap.ram_slot is None or self._ram is None:
+            return
+        try:
+            snap.wait_ready()
+            self._ram.commit(snap, snap.ram_slot, self._persister.pool)
+        except Exception as err:
+            self._ram.stand_down(f"the RAM snapshot of step {snap.step} failed ({type(err).__name__}: {err})")
+        finally:
+            self._ram_end(snap.ram_slot)
+
+    def _persist_ram(self, snap: Any, next_step: Values | None = None) -> CommitInfo | None:
+        """Save thread: a RAM snapshot alone (``_hand_over``); its failure is said, never raised."""
+        if next_step is not None:
+            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
+        self._ram_commit(snap)
+        return None
 
     def _guarded_params(self) -> set[int]:
         return {
@@ -260,6 +340,12 @@ class SavePath:
     def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
         if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
             snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
+        # in the RAM tier first (with the next step's values: a restore from RAM checks them
+        # too): a crash while the disk is written loses nothing
+        self._ram_commit(snap)
+        area = os.environ.get(ramarea.ENV_AREA)
+        if area:  # smartckpt run may still be writing the dead attempt's RAM snapshot: after it
+            ramarea.flash_wait(area)
         try:
             info = self._coord.persist(self._persister, snap, lambda: self.store.lock(GC_LOCK, shared=True))
         except Exception as err:

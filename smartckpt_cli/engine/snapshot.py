@@ -79,13 +79,19 @@ class Snapshot:
     guard_seconds: float = 0.0  # time the optimizer pre-hook waited for the lazy copies
     blocking_seconds: float = 0.0  # time save() blocked the caller (set by the manager)
     calm: bool = True  # the trigger saw calm signals: a known-good candidate for retention
+    ram_slot: int | None = None  # the RAM tier's slot it was copied into (engine/ramtier.py)
+    ram_only: bool = False  # a RAM snapshot alone: nothing goes to disk
     # Called by the writer right before the manifest is written (save thread): the resume check
     # adds what the step after the save computed, when it came in time (resumecheck.py).
     before_manifest: Any = None
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the
-        optimizer step go on. Always releases the guard, even if a copy fails."""
+        optimizer step go on. Always releases the guard, even if a copy fails. Once only: after
+        the guard is released the live tensors move on (the RAM tier's commit and the writer
+        both wait for the copies; a second copy would take the next step's values)."""
+        if self.copied.is_set():
+            return
         try:
             for buf, live in self.lazy:
                 if live.device.type != "cuda":
@@ -174,6 +180,11 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # The RAM tier's slot for this snapshot (engine/ramtier.py): its buffers are used first;
+        # an entry it has no fitting buffer for goes to a private one and marks the snapshot
+        # ``missed`` (the RAM tier does not commit it).
+        self.slot: dict[str, torch.Tensor] | None = None
+        self.missed = False
         self._pin = torch.cuda.is_available()
         self._prep: threading.Thread | None = None
         self.prepared_seconds = 0.0  # how long the background preparation took
@@ -221,7 +232,17 @@ class Stager:
     def _fits(buf: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> bool:
         return buf is not None and buf.shape == shape and buf.dtype == dtype
 
+    def use(self, slot: dict[str, torch.Tensor] | None) -> None:
+        """Stage the next snapshot into ``slot``'s buffers (None: private buffers only)."""
+        self.slot, self.missed = slot, False
+
     def _buffer(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        if self.slot is not None:
+            shared = self.slot.get(key)
+            if self._fits(shared, t.shape, t.dtype):
+                assert shared is not None
+                return shared
+            self.missed = True
         buf = self._buffers.get(key)
         if not self._fits(buf, t.shape, t.dtype):
             buf = _host_buffer(t.shape, t.dtype, self._pin and t.device.type == "cuda")
@@ -317,7 +338,10 @@ def take_snapshot(
                 any_cuda |= t.device.type == "cuda"
                 staged = stager.stage(key, t)
             items.append(Item(plan, staged, t.dtype, list(t.shape)))
-    stager.forget_except({i.plan.key for i in items})
+    # Private buffers are dropped once a snapshot fitted the RAM tier's slot whole (memory stays
+    # the slots' alone); else those of entries no longer in the state.
+    whole = stager.slot is not None and not stager.missed
+    stager.forget_except(set() if whole else {i.plan.key for i in items})
     ready = lazy_event = None
     if any_cuda:
         ready = torch.cuda.Event()

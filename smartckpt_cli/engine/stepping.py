@@ -36,6 +36,7 @@ from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
@@ -110,6 +111,9 @@ class StepPath:
     store: StoreDir
     heartbeat: bool
     # the manager's own
+    _ram: RamTier | None
+    _ram_due: float
+    _first_step_report: bool
     _save: Callable[..., SaveHandle]
     _save_failed: Callable[[int, BaseException], str]
     _preempted: Callable[[int, int, StepResult], StepResult]
@@ -250,6 +254,9 @@ class StepPath:
         sig = self._signals
         sig.step_time = self._clock.tick(now, step)
         self._last_step = step
+        if self._first_step_report:  # the first step after a restore: a recovery's last phase
+            self._first_step_report = False
+            report(first_step_done=time.time(), first_step=step)
         if self._check.step >= 0:
             self._take_check(step, loss, loss_scale)
         # A reading the optimizer pre-hook took (the losses up to the previous step) stands for
@@ -318,6 +325,12 @@ class StepPath:
                 self._eval_cost = 0.0
         # One process: at once. Several ranks: rank 0's trigger decides for all at the agreed
         # decision steps; any rank's preemption signal makes every rank take the blocking save.
+        # Several ranks agree only at decision steps: the next one lands on the step the RAM
+        # tier's clock is due at, as on the policy's step of interest.
+        quiet_step = self._quiet[0]
+        if math.isfinite(self._ram_due) and self._clock.seconds > 0.0:
+            ahead = max(1, math.ceil((self._ram_due - now) / self._clock.seconds))
+            quiet_step = min(quiet_step, float(step + ahead))
         verdict = self._coord.agree_to_save(
             Proposal(
                 step,
@@ -327,8 +340,9 @@ class StepPath:
                 self._busy(),
                 self._preempt.pending,
                 self._clock.seconds,
-                self._quiet[0],
+                quiet_step,
                 sig.own_spacing(),
+                now >= self._ram_due and not (self._inflight is not None and not self._inflight.done()),
             )
         )
         decision, signum, self._wish = verdict.decision, verdict.signum, verdict.wish
@@ -343,6 +357,8 @@ class StepPath:
         if decision.save:
             result.handle = self._save(step, decision, lazy=bool(self._optimizers))
             result.saved, result.reason = result.handle.error is None, decision.reason
+        elif verdict.ram:  # the RAM tier's cadence, apart from the disk's (ramtier.py)
+            self._save(step, Decision(True, "ram"), lazy=bool(self._optimizers), ram_only=True)
         with self._stats_lock:
             result.failures = len(self._stats.failures)
             result.last_error = self._stats.failures[-1] if self._stats.failures else None
@@ -382,7 +398,7 @@ class StepPath:
         if self._check.step >= 0:
             calm = min(calm, float(self._check.step))  # that step takes the resume check's values
         self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
-        self._calm_time = self._quiet[1]
+        self._calm_time = min(self._quiet[1], self._ram_due)
         # may_save: the step before the evaluation (a save before its update) and the evaluation
         # step (its reading) may save, as may the policy's quiet step and a decision step
         self._record_until = self._calm_step
@@ -420,7 +436,7 @@ class StepPath:
             and self._stats.commits == self._quiet_commits
         ):
             # the step call comes up to a step later (zero-code: the next pre-hook)
-            return time.monotonic() + 2.0 * self._clock.seconds >= self._quiet[1]
+            return time.monotonic() + 2.0 * self._clock.seconds >= min(self._quiet[1], self._ram_due)
         return True
 
     def _prepare_staging(self) -> None:
@@ -430,6 +446,11 @@ class StepPath:
             specs = staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
         except Exception as err:  # the save allocates what it needs, as before
             logger.debug("staging not prepared: %s", err)
+            return
+        # With the RAM tier the staging buffers are its slots, in shared memory (ramtier.py).
+        if self._ram is not None and self._ram.plan(specs, nice=self.settings.background_nice):
+            if not math.isfinite(self._ram_due):
+                self._ram_due = time.monotonic() + self._ram.interval()
             return
         self._stager.prepare(specs, nice=self.settings.background_nice)
 

@@ -17,7 +17,13 @@ part manifest          ``manifests/<12 digits>-<id>-r<rank>.json``          of i
 part marker            ``<12 digits>-<id>-r<rank>.json`` (under ``parts/``)
 remote journal object  ``<12 digits>-<event>-<12 hex>.json`` (``journal/``)
 store id               8 to 64 lowercase hex
+RAM area (a tmpfs)     ``smartckpt-<run id>/rank<rank>/``                   ``…/rank0/``
+RAM slot, record       ``slot0``, ``slot1``; ``ram.json`` (names the slot)
 =====================  ===================================================  =====================
+
+The RAM tier (``store/ramarea.py``) is not a store, but its record is read back by a restarted
+process and by ``smartckpt run``'s flash persist: the slot it names, and every offset and length
+in it, are checked here and against the slot's size before a byte is read.
 
 Nothing that passes is absolute, holds ``..``, a separator where none belongs, a NUL or any
 character outside ``[0-9a-z_./-]``. The storage backends refuse any path that resolves outside
@@ -36,6 +42,8 @@ from typing import Any
 __all__ = [
     "MAX_RANKS",
     "MAX_STEP",
+    "RAM_RECORD",
+    "RAM_SLOTS",
     "TMP_MARK",
     "InvalidName",
     "JournalObject",
@@ -44,6 +52,8 @@ __all__ = [
     "check_blob_id",
     "check_checkpoint_id",
     "check_manifest_chunks",
+    "check_ram_area",
+    "check_ram_slot",
     "check_rel",
     "check_store_id",
     "commit_names",
@@ -55,6 +65,8 @@ __all__ = [
     "marker",
     "parse_marker",
     "part_rel",
+    "ram_area",
+    "ram_rank_dir",
     "shown",
 ]
 
@@ -73,6 +85,9 @@ _JOURNAL_OBJECT = re.compile(r"([0-9]{12})-([a-z][a-z_]{0,31})-([0-9a-f]{12})\.j
 _MANIFEST_FILE = re.compile(r"[0-9]{12}-[0-9a-f]{12}(-r(0|[1-9][0-9]{0,6}))?\.json")
 _TEMPORARY = re.compile(r"[0-9a-z_.-]{1,200}\.tmp\.[0-9]{1,10}\.[0-9]{1,12}")
 _REL_CHARS = re.compile(r"[0-9A-Za-z_.-]+")
+_RAM_AREA = re.compile(r"smartckpt-[0-9A-Za-z_.-]{1,64}")
+RAM_SLOTS = ("slot0", "slot1")
+RAM_RECORD = "ram.json"
 
 
 class InvalidName(ValueError):
@@ -262,6 +277,31 @@ def parse_marker(name: Any) -> tuple[int, str, int] | None:
     if m is None:
         return None
     return int(m.group(1)), m.group(2), int(m.group(3))
+
+
+def ram_area(run_id: str) -> str:
+    """The RAM tier's folder of one ``smartckpt run`` in the RAM directory (``/dev/shm``)."""
+    return check_ram_area(f"smartckpt-{run_id}")
+
+
+def check_ram_area(name: Any) -> str:
+    if not (isinstance(name, str) and _RAM_AREA.fullmatch(name)):
+        raise InvalidName(f"RAM area {shown(name)} is not smartckpt-<run id>")
+    return name
+
+
+def ram_rank_dir(rank: int) -> str:
+    """One rank's folder inside a RAM area: every rank keeps its own snapshot."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_RANKS:
+        raise InvalidName(f"RAM area: rank {shown(rank)} is not a rank")
+    return f"rank{rank}"
+
+
+def check_ram_slot(value: Any, where: str) -> str:
+    """The slot a RAM record names: one of :data:`RAM_SLOTS`, nothing else."""
+    if value not in RAM_SLOTS:
+        raise _fail(where, "slot", value, f"one of {', '.join(RAM_SLOTS)}")
+    return str(value)
 
 
 def check_rel(rel: Any, what: str = "path") -> str:

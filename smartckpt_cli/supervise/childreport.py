@@ -19,6 +19,7 @@ __all__ = [
     "lead_report",
     "learn",
     "predicted_start",
+    "restart_phases",
     "script_name",
     "start_line",
     "trouble_lines",
@@ -71,6 +72,9 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
     if isinstance(check, dict) and att.resume_check != check:
         att.resume_check = check
         new.append("check")
+    phases = restart_phases(att.started, report)
+    if phases and phases != att.phases:
+        att.phases = phases
     if report.get("no_optimizer") and not att.no_optimizer:
         att.no_optimizer = True
         new.append("no_optimizer")
@@ -83,6 +87,23 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
                 new.append(key)
             setattr(att, key, value)
     return new
+
+
+def restart_phases(started: float, report: dict[str, Any]) -> dict[str, float] | None:
+    """Seconds of an attempt's start as its child reported them (wall times): start -> restore
+    began (interpreter, imports, building the model), the restore, restore done -> the first
+    resumed step done; None before the restore is reported."""
+    t = {k: report.get(k) for k in ("restore_began", "restore_done", "first_step_done")}
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in t.values() if v is not None):
+        return None
+    began, done, first = t["restore_began"], t["restore_done"], t["first_step_done"]
+    if began is None or done is None:
+        return None
+    out = {"to_restore": round(began - started, 4), "restore": round(done - began, 4)}
+    if first is not None:
+        out["to_first_step"] = round(first - done, 4)
+        out["start_to_first_step"] = round(first - started, 4)
+    return out
 
 
 def trouble_lines(att: AttemptRecord, new: list[str]) -> list[tuple[str, str]]:

@@ -64,7 +64,7 @@ class AttemptRecord:
     newest_checkpoint: int = 0  # the newest live checkpoint when it started (what a restore loads)
     # What the child itself reported (report.<pid>.json): the step the script really began at
     # (None: it never said, e.g. it died first or runs without smartckpt), where it was restored
-    # from ("disk", "remote"; None: nothing restored), and the resume check's verdict
+    # from ("ram", "disk", "remote"; None: nothing restored), and the resume check's verdict
     # ({"step", "verdict": "exact" | "close" | "differs", "expected", "got"}).
     start_step: int | None = None
     restored_from: str | None = None
@@ -91,6 +91,12 @@ class AttemptRecord:
     seconds_lost: float | None = None
     delay: float = 0.0  # backoff before the next attempt
     rollback_to: int | None = None
+    # The RAM tier (supervise/ramowner.py): the step of the RAM snapshot the supervisor wrote to
+    # the store after this attempt died (flash persist); the restart phases the next attempt
+    # reported (seconds: ``to_restore`` start -> restore began, ``restore``, ``to_first_step``
+    # restore done -> first resumed step done, ``start_to_first_step``).
+    flash_persisted: int | None = None
+    phases: dict[str, float] | None = None
 
     @property
     def began(self) -> int:

@@ -25,6 +25,7 @@ output, a hang's stack dump), restarts.py (work lost, rollback, diagnosis, the w
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -59,6 +60,7 @@ from smartckpt_cli.supervise.policy import (
     backoff,
     classify,
 )
+from smartckpt_cli.supervise.ramowner import RamOwner
 from smartckpt_cli.supervise.records import (
     RUNS_DIR,
     AttemptRecord,
@@ -102,6 +104,7 @@ class Supervisor:
         self._last_usage: Usage | None = None
         self._script = script_name(list(options.command))
         self._report: dict[str, Any] | None = None  # what the current attempt's child said it did
+        self.ram: RamOwner | None = None  # the RAM tier's area (ramowner.py), made by run()
 
     # ------------------------------------------------------------------ the run
 
@@ -119,9 +122,12 @@ class Supervisor:
         if warn:
             self.emit("warning", warn)
         self.signals.install()
+        self.ram = RamOwner.open(self.s, self.run_id, self.emit)
         try:
             return self._loop()
         finally:
+            if self.ram is not None:
+                self.ram.close()
             self.signals.uninstall()
             self.record.ended = time.time()
             self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
@@ -181,6 +187,12 @@ class Supervisor:
                     f"; last sample: {u.rss / 2**30:.2f} GiB resident, {u.mem_available / 2**30:.2f} GiB free"
                 )
             self.record.attempts.append(att)
+            if outcome.action not in ("done", "restart") and self.ram is not None:
+                # nothing restarts: the dead attempt's RAM snapshot, when newer than the disk's,
+                # becomes a checkpoint at once
+                att.flash_persisted = self.ram.persist(
+                    self.dir, self.s.meta_dir, self.store.newest_step(), level=self.s.compression_level
+                )
             if outcome.action == "done":
                 return self._finish(
                     "finished", 0, f"training finished after {self.record.restarts} restart(s)"
@@ -208,9 +220,23 @@ class Supervisor:
                 )
             if verdict == "rollback":
                 roll_back(self.store, att, self.s.crash_loop, self.emit)
+                if self.ram is not None:  # the RAM snapshot holds the state that kept crashing
+                    self.ram.discard()
+            newest = self.store.newest_step()
+            if self.ram is not None and verdict != "rollback":
+                # the dead attempt's RAM snapshot, when newer than the disk's, becomes a
+                # checkpoint while the next attempt starts (its first commit waits for it)
+                writing = self.ram.persist_behind(
+                    self.dir,
+                    self.s.meta_dir,
+                    newest,
+                    level=self.s.compression_level,
+                    done=functools.partial(setattr, att, "flash_persisted"),
+                )
+                newest = max(newest, writing or 0)
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
             # not restore through start_step() (corrected once the next one reports).
-            att.restart_from = predicted_start(self._report, self.store.newest_step())
+            att.restart_from = predicted_start(self._report, newest)
             record_lost(att, self._step_seen)
             if self.record.restarts >= self.s.max_restarts:
                 return self._finish(
@@ -282,6 +308,8 @@ class Supervisor:
             attempt=attempt,
             mtbf=mtbf,
         )
+        if self.ram is not None:
+            env.update(self.ram.env())
         pipe = subprocess.PIPE if self.opts.output is not None else None
         if pipe:
             env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold its lines back until exit

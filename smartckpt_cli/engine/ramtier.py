@@ -1,0 +1,392 @@
+"""The RAM tier in the training process: staging buffers in shared memory that outlive it.
+
+Under ``smartckpt run`` (which owns the RAM area and says where it is in ``SMARTCKPT_RAM_AREA``;
+the format is ``store/ramarea.py``'s) the manager's staging buffers are views into two slot
+files of this rank's folder in a tmpfs, so the copy a snapshot makes anyway *is* the RAM tier's
+copy. Order of calls (the manager's):
+
+1. :meth:`RamTier.open` in the manager's ``__init__`` (None outside ``smartckpt run``, or when
+   the run has the tier off);
+2. :meth:`plan` at the first step, with the staging specs (when the optimizer's moments exist):
+   both slots sized and allocated within the budget, or one line and the tier stands down
+   (staging goes back to private memory);
+3. per snapshot, training thread: :meth:`begin` hands the stager the buffers of the slot the
+   record does not name (locked for writing), or None (a slot being read: the snapshot goes to
+   private buffers, the RAM tier skips it);
+4. save thread, once the snapshot's copies are done: :meth:`commit` hashes every chunk, checks
+   the weights are finite and writes the record: the RAM snapshot exists; :meth:`end` unlocks;
+5. :meth:`load` on restore (training thread): the record's slot re-hashed, every chunk, then
+   read in place (no decode); ``None`` with one line naming what failed, and the restore goes on
+   to the disk.
+
+Cadence: ``ram_every`` seconds, or (default) as often as :data:`RAM_SHARE` of the training time
+allows for what a RAM snapshot costs (:meth:`interval`), never more often than :data:`RAM_FLOOR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from smartckpt_cli.config import Settings, parse_size
+from smartckpt_cli.engine.snapshot import Snapshot, Spec
+from smartckpt_cli.state.apply import Loaded
+from smartckpt_cli.state.dtypes import all_finite, dtype_name, lookup
+from smartckpt_cli.state.precision import byte_view, tensor_bytes
+from smartckpt_cli.store import ramarea
+from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.names import RAM_SLOTS, ram_rank_dir
+
+__all__ = ["ENV_AREA", "ENV_BYTES", "RAM_FLOOR", "RAM_SHARE", "RamTier"]
+
+logger = logging.getLogger(__name__)
+
+ENV_AREA = ramarea.ENV_AREA
+ENV_BYTES = ramarea.ENV_BYTES
+RAM_SHARE = 0.02  # the share of training time RAM snapshots may cost by default
+RAM_FLOOR = 1.0  # seconds: never more often than this by default
+_MARGIN = 64 << 20  # left free in the tmpfs and the host's memory beyond the slots
+
+
+def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+class RamTier:
+    """This rank's two slots and their record (module docstring)."""
+
+    def __init__(self, rank_dir: Path, budget: int, settings: Settings, store_id: str, rank: int, world: int):
+        self.dir, self.budget, self.store_id = rank_dir, budget, store_id
+        self.rank, self.world = rank, world
+        self.every = settings.ram_every
+        self.chunk_bytes = settings.chunk_mb << 20
+        self.active = True
+        self.slots: list[ramarea.Slot | None] = [None, None]
+        self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
+        self.offsets: dict[str, int] = {}
+        self.specs: list[Spec] = []
+        self.size = 0
+        self._layout = 0  # bumped by every plan; a slot mapped for an older one is remapped
+        self._mapped = [-1, -1]
+        self._prep: threading.Thread | None = None
+        self.committed: int | None = None  # the slot the record names
+        self.cost = 0.0  # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed
+        self.snapshots = 0
+        self.last: dict[str, Any] | None = None  # the newest record this process wrote or read
+        try:
+            rec = ramarea.read_record(rank_dir)
+        except (ValueError, OSError):
+            rec = None
+        if rec is not None:
+            self.committed = RAM_SLOTS.index(rec["slot"])
+
+    @classmethod
+    def open(cls, settings: Settings, store_id: str, rank: int, world: int) -> RamTier | None:
+        area = os.environ.get(ENV_AREA)
+        if not area or not settings.ram:
+            return None
+        rank_dir = Path(area) / ram_rank_dir(rank)
+        try:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            logger.warning("RAM tier off: cannot use %s (%s); restarts restore from disk", rank_dir, err)
+            return None
+        budget = (
+            parse_size(settings.ram_budget) if settings.ram_budget else int(os.environ.get(ENV_BYTES) or 0)
+        )
+        if budget <= 0:
+            budget = ramarea.default_budget()
+        return cls(rank_dir, budget, settings, store_id, rank, world)
+
+    # ------------------------------------------------------------------ slots
+
+    def plan(self, specs: list[Spec], nice: int = 10) -> bool:
+        """Size both slots for ``specs`` (module docstring, 2): checked here, allocated by a
+        low-priority background thread (as the stager prepares its buffers); False when the tier
+        stood down. A snapshot before the slots are ready goes to private buffers."""
+        if not self.active:
+            return False
+        sizes = [(sp.key, _nbytes(sp.shape, sp.dtype)) for sp in specs]
+        offsets, size = ramarea.layout(sizes)
+        if offsets == self.offsets and size == self.size:
+            return True
+        have = sum(os.stat(self.dir / n).st_size for n in RAM_SLOTS if (self.dir / n).exists())
+        need = 2 * size
+        free = ramarea.room(self.dir)
+        avail = psutil.virtual_memory().available
+        why = None
+        if need > self.budget:
+            why = f"that is above ram_budget ({_gb(self.budget)} per rank)"
+        elif need - have + _MARGIN > free:
+            why = f"{self.dir.parent.parent} has {_gb(free)} free"
+        elif need - have + _MARGIN > avail:
+            why = f"the host has {_gb(avail)} of memory available"
+        if why is not None:
+            self.stand_down(
+                f"a RAM snapshot needs 2 slots of {_gb(size)} = {_gb(need)}, and {why}: the RAM tier "
+                "stands down, restarts restore from disk"
+            )
+            return False
+        self.wait_ready()
+        self.offsets, self.size, self.specs = offsets, size, list(specs)
+        self._layout += 1
+        todo = [i for i in (0, 1) if i != self.committed or self._fits(i)]
+
+        def run() -> None:
+            if nice:
+                with contextlib.suppress(OSError, AttributeError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            for i in todo:
+                try:
+                    if self._ensure(i):
+                        self.end(i)
+                except OSError as err:  # ENOSPC from posix_fallocate: never a SIGBUS later
+                    self.stand_down(
+                        f"{self.dir.parent.parent} refused {_gb(size)} for a RAM slot ({err.strerror or err}): "
+                        "the RAM tier stands down, restarts restore from disk"
+                    )
+                    return
+
+        self._prep = threading.Thread(target=run, name="smartckpt-ram", daemon=True)
+        self._prep.start()
+        return True
+
+    def wait_ready(self) -> None:
+        prep = self._prep
+        if prep is not None:
+            prep.join()
+
+    def _fits(self, i: int) -> bool:
+        """Whether slot ``i``'s file already has the size of the current layout (mapping it
+        then changes nothing in it, even while it is read)."""
+        path = self.dir / RAM_SLOTS[i]
+        return path.exists() and path.stat().st_size == self.size
+
+    def _ensure(self, i: int) -> bool:
+        """Slot ``i`` mapped for the current layout and locked for writing; False while somebody
+        reads it (then nothing about it changed)."""
+        slot = self.slots[i]
+        if slot is not None and self._mapped[i] == self._layout:
+            return slot.try_lock()
+        if slot is not None:
+            self.buffers[i] = {}
+            slot.close()
+            self.slots[i] = None
+        slot = ramarea.Slot(self.dir / RAM_SLOTS[i], 0)  # opened, not yet sized
+        if not slot.try_lock():
+            slot.close()
+            return False
+        try:
+            slot.resize(self.size)  # under the exclusive lock: nobody maps it meanwhile
+        except BaseException:
+            slot.close()
+            raise
+        base = torch.frombuffer(slot.map, dtype=torch.uint8, count=self.size)
+        self.buffers[i] = {
+            sp.key: base[self.offsets[sp.key] : self.offsets[sp.key] + _nbytes(sp.shape, sp.dtype)]
+            .view(sp.dtype)
+            .view(sp.shape)
+            for sp in self.specs
+        }
+        self.slots[i], self._mapped[i] = slot, self._layout
+        if i == self.committed:
+            self.committed = None  # resized: whatever it held is gone
+        return True
+
+    def begin(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The slot for the next snapshot and its buffers, locked for writing; None when the
+        tier is off, its slots are still being prepared, or that slot is being read."""
+        if not self.active or self.size == 0:
+            return None
+        prep = self._prep
+        if prep is not None and prep.is_alive():
+            return None
+        i = 1 if self.committed == 0 else 0
+        try:
+            if not self._ensure(i):
+                return None
+        except OSError as err:
+            self.stand_down(
+                f"{self.dir.parent.parent} refused {_gb(self.size)} for a RAM slot ({err.strerror or err}): "
+                "the RAM tier stands down, restarts restore from disk"
+            )
+            return None
+        return i, self.buffers[i]
+
+    def end(self, i: int) -> None:
+        slot = self.slots[i]
+        if slot is not None:
+            slot.unlock()
+
+    def commit(self, snap: Snapshot, i: int, pool: Executor) -> None:
+        """Hash and record the snapshot in slot ``i`` (its copies are done): it becomes the RAM
+        snapshot. Runs on the save thread; the hashing fans out to ``pool``."""
+        t0 = time.perf_counter()
+        items = snap.items
+        hashes = list(
+            pool.map(lambda it: ramarea.chunk_hashes(tensor_bytes(it.tensor), self.chunk_bytes), items)
+        )
+        health = snap.health
+        for tier, verdict in (("L1", "nonfinite-weights"), ("L2", "nonfinite-moments")):
+            if health == "ok" and not all(
+                pool.map(all_finite, [it.tensor for it in items if it.plan.tier == tier])
+            ):
+                health = verdict
+        entries = {
+            it.plan.key: {
+                "tier": it.plan.tier,
+                "dtype": dtype_name(it.dtype),
+                "shape": it.shape,
+                "offset": self.offsets[it.plan.key],
+                "nbytes": it.tensor.numel() * it.tensor.element_size(),
+                "chunks": h,
+            }
+            for it, h in zip(items, hashes, strict=True)
+        }
+        record = {
+            "store_id": self.store_id,
+            "id": uuid.uuid4().hex[:12],
+            "step": snap.step,
+            "slot": RAM_SLOTS[i],
+            "slot_size": self.size,
+            "chunk_bytes": self.chunk_bytes,
+            "time": time.time(),
+            "health": health,
+            "calm": snap.calm,
+            "reason": snap.reason,
+            "score": snap.score,
+            "rank": self.rank,
+            "world_size": self.world,
+            "pid": os.getpid(),
+            "objects": snap.objects,
+            "entries": entries,
+            "not_stored": snap.dropped,
+            "meta": snap.meta,
+        }
+        ramarea.write_record(self.dir, record)  # the RAM snapshot's commit point
+        self.committed, self.last = i, record
+        self.snapshots += 1
+        took = snap.blocking_seconds + snap.guard_seconds + (time.perf_counter() - t0)
+        self.cost = took if self.cost == 0.0 else 0.7 * self.cost + 0.3 * took
+
+    def interval(self) -> float:
+        """Seconds between RAM snapshots (module docstring)."""
+        if self.every is not None:
+            return self.every
+        return max(RAM_FLOOR, self.cost / RAM_SHARE)
+
+    def stand_down(self, why: str) -> None:
+        if self.active:
+            logger.warning("smartckpt: %s", why)
+        self.active = False
+
+    def close(self) -> None:
+        """Unmap the slots (the files stay: the RAM area is smartckpt run's)."""
+        self.wait_ready()
+        for i, slot in enumerate(self.slots):
+            if slot is not None:
+                self.buffers[i] = {}
+                slot.close()
+                self.slots[i] = None
+
+    # ------------------------------------------------------------------ restore
+
+    def candidate(self, *, include_unhealthy: bool = False) -> dict[str, Any] | None:
+        """This rank's RAM record when it may serve a restore (same store, healthy), else None;
+        a damaged record is one line, then None."""
+        try:
+            rec = ramarea.read_record(self.dir)
+        except (ValueError, OSError) as err:
+            logger.warning("smartckpt: the RAM snapshot cannot be used (%s); restoring from disk", err)
+            return None
+        if rec is None or rec["store_id"] != self.store_id:
+            return None
+        if rec.get("world_size") != self.world or rec.get("rank") != self.rank:
+            # another world size: each rank's snapshot is its old part; the disk reshards
+            logger.warning(
+                "smartckpt: the RAM snapshot of step %d was taken by rank %s of %s; restoring from disk",
+                rec["step"],
+                rec.get("rank"),
+                rec.get("world_size"),
+            )
+            return None
+        if rec.get("health") != "ok" and not include_unhealthy:
+            logger.warning(
+                "smartckpt: the RAM snapshot of step %d is %s; restoring from disk",
+                rec["step"],
+                rec.get("health"),
+            )
+            return None
+        return rec
+
+    def load(self, rec: dict[str, Any]) -> Loaded | None:
+        """Verify every chunk of ``rec``'s slot, then the tensors, read in place (copied out only
+        where an object would keep them: see :func:`_tensors`); None with one line when a chunk
+        fails its hash."""
+        with ramarea.reading(self.dir, rec["slot"]) as view:
+            bad = ramarea.verify(view, rec)
+            if bad is not None:
+                logger.warning(
+                    "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk",
+                    rec["step"],
+                    bad,
+                )
+                return None
+            tensors = _tensors(view, rec)
+        self.last = rec
+        lineage = (rec.get("meta") or {}).get("lineage")
+        record = CheckpointRecord(
+            int(rec["step"]),
+            str(rec["id"]),
+            "",
+            "",
+            -1,
+            health=str(rec.get("health")),
+            reason="ram",
+            event={"lineage": lineage} if lineage else {},
+        )
+        manifest = {
+            "store_id": rec["store_id"],
+            "id": rec["id"],
+            "step": rec["step"],
+            "health": rec.get("health"),
+            "calm": rec.get("calm", True),
+            "meta": rec.get("meta") or {},
+            "objects": rec["objects"],
+            "entries": {
+                k: {"tier": e["tier"], "dtype": e["dtype"], "shape": e["shape"]}
+                for k, e in rec["entries"].items()
+            },
+            "not_stored": rec.get("not_stored") or [],
+            "restored_from": "ram",
+        }
+        return Loaded(record, manifest, tensors, set())
+
+
+def _tensors(view: memoryview, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every entry as a tensor of its own memory: the slot is refilled by later snapshots, and an
+    optimizer's ``load_state_dict`` keeps the tensors it is given (same dtype and device: no copy),
+    so each is copied once out of the shared memory; no decode, no hash beyond :func:`verify`'s."""
+    out: dict[str, torch.Tensor] = {}
+    for key, e in rec["entries"].items():
+        t = torch.empty(e["shape"], dtype=lookup(e["dtype"]))
+        n = int(e["nbytes"])
+        if n:
+            byte_view(t)[:] = np.frombuffer(view, dtype=np.uint8, count=n, offset=int(e["offset"]))
+        out[key] = t
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

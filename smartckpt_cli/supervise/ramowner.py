@@ -1,0 +1,171 @@
+"""``smartckpt run``'s side of the RAM tier: it owns the RAM area. No torch.
+
+Order of calls (the supervisor's)::
+
+    RamOwner.open(settings, run_id, emit)   # before the first attempt: the area made, one line
+    env.update(owner.env())                 # each attempt: where the area is, the budget per rank
+    owner.persist(store_dir, meta_dir, ...) # after a death, before the restart: flash persist
+    owner.close()                           # the run ends: the area removed
+
+The area (``<ram_dir>/smartckpt-<run id>/``, default ``/dev/shm``) outlives every training
+process of the run, so a restarted process finds the snapshot its predecessor left there; the
+format is ``store/ramarea.py``'s, the training process's side ``engine/ramtier.py``. The flash
+persist runs here, between the death and the next start, synchronously: the next process starts
+once the snapshot is a committed checkpoint of the store (``supervise/flash.py``), so nothing
+else appends to the journal meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from smartckpt_cli.config import Settings, parse_size
+from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.store import ramarea
+from smartckpt_cli.store.directory import StoreDir, open_store
+from smartckpt_cli.store.names import RAM_RECORD, InvalidName, ram_area
+from smartckpt_cli.supervise import flash
+
+__all__ = ["RamOwner"]
+
+Emit = Callable[[str, str], None]
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class RamOwner:
+    """The run's RAM area (module docstring)."""
+
+    def __init__(self, area: Path, budget: int, emit: Emit) -> None:
+        self.area, self.budget, self.emit = area, budget, emit
+        self._thread: threading.Thread | None = None  # a flash persist running behind
+
+    @classmethod
+    def open(cls, settings: Settings, run_id: str, emit: Emit) -> RamOwner | None:
+        """The area made, or one line and None (the run goes on, restarts restore from disk)."""
+        if not settings.ram:
+            return None
+        base = Path(settings.ram_dir or ramarea.DEFAULT_DIR)
+        try:
+            area = base / ram_area(run_id)
+            area.mkdir(mode=0o700, exist_ok=True)
+            free = ramarea.room(area)
+        except (OSError, InvalidName) as err:
+            emit("warning", f"RAM tier off: cannot use {base} ({err}); restarts restore from disk")
+            return None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        budget = parse_size(settings.ram_budget) if settings.ram_budget else ramarea.default_budget(local)
+        every = (
+            f"every {settings.ram_every:g} s"
+            if settings.ram_every
+            else "as often as 2 % of the step time allows"
+        )
+        emit(
+            "info",
+            f"RAM tier: {area}, up to {_size(budget)} per rank ({_size(free)} free there), a snapshot {every}",
+        )
+        return cls(area, budget, emit)
+
+    def env(self) -> dict[str, str]:
+        return {ramarea.ENV_AREA: str(self.area), ramarea.ENV_BYTES: str(self.budget)}
+
+    def persist(self, store_dir: Path, meta_dir: str | None, newest_disk: int, *, level: int) -> int | None:
+        """Flash persist, at once: the RAM snapshot of the dead attempt into the store when it is
+        newer than ``newest_disk`` (one line either way when there was one); the step written,
+        or None. For the end of a run (nothing restarts after it)."""
+        self.wait()
+        got = self._take(store_dir, meta_dir, newest_disk)
+        return self._write(got[0], got[1], level) if got is not None else None
+
+    def persist_behind(
+        self,
+        store_dir: Path,
+        meta_dir: str | None,
+        newest_disk: int,
+        *,
+        level: int,
+        done: Callable[[int | None], None],
+    ) -> int | None:
+        """Flash persist while the next attempt starts: the snapshot is taken (its slots locked)
+        now and written on a thread, under ``flash.lock`` held from now on, so the next training
+        process's first commit waits for this one (``engine/ramtier.py``, ``flash_wait``: the
+        journal stays in step order). Returns the step being written (None: nothing to write);
+        ``done`` gets the step written, or None when it failed (said in one line)."""
+        self.wait()
+        got = self._take(store_dir, meta_dir, newest_disk)
+        if got is None:
+            return None
+        fd = os.open(self.area / ramarea.FLASH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # before the next process exists: it cannot commit first
+
+        def run() -> None:
+            try:
+                done(self._write(got[0], got[1], level))
+            finally:
+                os.close(fd)  # drops the lock
+
+        self._thread = threading.Thread(target=run, name="smartckpt-flash", daemon=True)
+        self._thread.start()
+        return got[1].step
+
+    def wait(self) -> None:
+        """Until a flash persist running behind is written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _take(
+        self, store_dir: Path, meta_dir: str | None, newest_disk: int
+    ) -> tuple[StoreDir, flash.Held] | None:
+        try:
+            store = open_store(store_dir, meta_dir=meta_dir, create=False)
+            store_id = store.journal.read().store_id
+        except (SmartckptError, OSError, ValueError) as err:
+            if any(self.area.glob("rank*/" + RAM_RECORD)):
+                self.emit(
+                    "warning",
+                    f"flash persist: the store cannot be opened ({err}); the RAM snapshot stays in RAM",
+                )
+            return None
+        held = flash.take(self.area, store_id, newest_disk)
+        if held is None:
+            return None
+        if isinstance(held, str):
+            self.emit("warning", f"flash persist: {held}")
+            return None
+        return store, held
+
+    def _write(self, store: StoreDir, held: flash.Held, level: int) -> int | None:
+        try:
+            step, manifest, seconds = flash.flash_persist(store, held, level=level)
+        except (flash.FlashError, OSError, SmartckptError) as err:
+            self.emit("warning", f"flash persist of the RAM snapshot of step {held.step} failed: {err}")
+            return None
+        finally:
+            held.release()
+        self.emit(
+            "info",
+            f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now ({manifest}, {seconds:.2f} s)",
+        )
+        return step
+
+    def discard(self) -> None:
+        """After a rollback: no restart may restore the RAM snapshot (it holds the state that
+        kept crashing); the records go, the slots stay for the next snapshots."""
+        for rec in self.area.glob("rank*/" + RAM_RECORD):
+            with contextlib.suppress(OSError):
+                rec.unlink()
+
+    def close(self) -> None:
+        """The run is over: the area goes (it is memory)."""
+        self.wait()
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.area)

@@ -1,0 +1,381 @@
+"""The RAM tier: each rank's newest snapshot in shared memory that outlives the training process.
+
+Real processes write it (a training script run twice, the first one ending with ``os._exit``
+as a crash would, without a close), real files in ``/dev/shm`` (or the test's temporary folder
+when there is none) hold it, and the restore reads it back. ``smartckpt run`` end to end (a real
+SIGKILL, the flash persist, the area removed) is in the slow tests at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from smartckpt_cli.config import load_settings, parse_size
+from smartckpt_cli.store import ramarea
+from smartckpt_cli.store.journal import Journal
+from smartckpt_cli.store.names import InvalidName, ram_area
+from smartckpt_cli.store.storage.local import LocalStorage
+from smartckpt_cli.supervise.childreport import restart_phases
+from smartckpt_cli.supervise.ramowner import RamOwner
+from tests._state import assert_same_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Trains a small model with a fixed per-step batch; RAM snapshots every 0.05 s, the disk every
+# 1,000 steps (so a restart restores the RAM snapshot or, when it fails, step 0 / the disk).
+# argv: store, total steps, "crash" (os._exit, no close) | "finish" (final state to out.pt).
+TRAIN = r"""
+import json, os, sys, time, logging
+import torch
+import smartckpt_cli as sc
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+store, total, end = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+mgr = sc.CheckpointManager(store, every_steps=int(os.environ.get("EVERY", "1000")), ram_every=0.05)
+mgr.register(model=model, optimizer=opt)
+start = mgr.restore()
+print("START", json.dumps({"step": start, "from": mgr._restored_from}), flush=True)
+for step in range(start + 1, total + 1):
+    g = torch.Generator().manual_seed(step)
+    loss = model(torch.randn(16, 32, generator=g)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mgr.step(step, loss)
+    time.sleep(0.01)
+if end == "crash":
+    mgr.wait()
+    ram = mgr._ram
+    print("RAM", json.dumps({"step": ram.last["step"] if ram and ram.last else None,
+                             "snapshots": ram.snapshots if ram else 0}), flush=True)
+    os._exit(0)
+torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
+           os.path.join(os.path.dirname(store), "out.pt"))
+mgr.close()
+"""
+
+
+@pytest.fixture
+def area(tmp_path):
+    """A RAM area as smartckpt run makes it: in /dev/shm when there is one (a tmpfs), removed after."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    where = base / ram_area(f"test-{os.getpid()}-{tmp_path.name}")
+    where.mkdir()
+    yield where
+    subprocess.run(["rm", "-rf", str(where)], check=False)
+
+
+def _train(tmp_path: Path, child_env, area: Path | None, total: int, end: str, **extra: str) -> dict:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = dict(child_env, **extra)
+    if area is not None:
+        env[ramarea.ENV_AREA] = str(area)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store"), str(total), end],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    said: dict = {"log": [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("LOG ")]}
+    for line in out.stdout.splitlines():
+        tag, _, rest = line.partition(" ")
+        if tag in ("START", "RAM"):
+            said[tag] = json.loads(rest)
+    return said
+
+
+def _reference(tmp_path: Path, child_env, total: int) -> dict:
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    _train(ref, child_env, None, total, "finish")
+    return torch.load(ref / "out.pt", weights_only=True)
+
+
+def _flip_a_byte(area: Path) -> str:
+    rank = area / "rank0"
+    rec = json.loads((rank / "ram.json").read_text())
+    entry = next(k for k, e in rec["entries"].items() if e["tier"] == "L1" and e["nbytes"] > 64)
+    off = rec["entries"][entry]["offset"] + 5
+    with open(rank / rec["slot"], "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+    return entry
+
+
+# ---------------------------------------------------------------- the format, no training
+
+
+def _record_of(tmp_path: Path) -> Path:
+    rank = tmp_path / "rank0"
+    rank.mkdir()
+    data = bytes(range(256)) * 4  # one float32 entry of 256 values
+    (rank / "slot0").write_bytes(data)
+    ramarea.write_record(
+        rank,
+        {
+            "store_id": "ab" * 8,
+            "id": "0123456789ab",
+            "step": 7,
+            "slot": "slot0",
+            "slot_size": len(data),
+            "objects": {},
+            "entries": {
+                "model/w": {
+                    "tier": "L1",
+                    "dtype": "float32",
+                    "shape": [256],
+                    "offset": 0,
+                    "nbytes": len(data),
+                    "chunks": ramarea.chunk_hashes(memoryview(data), 512),
+                }
+            },
+        },
+    )
+    return rank
+
+
+def test_a_record_reads_back_and_every_chunk_verifies(tmp_path):
+    rank = _record_of(tmp_path)
+    rec = ramarea.read_record(rank)
+    assert rec is not None and rec["step"] == 7 and len(rec["entries"]["model/w"]["chunks"]) == 2
+    with ramarea.reading(rank, "slot0") as view:
+        assert ramarea.verify(view, rec) is None
+    with open(rank / "slot0", "r+b") as f:  # one bit of the second chunk
+        f.seek(700)
+        b = f.read(1)
+        f.seek(700)
+        f.write(bytes([b[0] ^ 1]))
+    with ramarea.reading(rank, "slot0") as view:
+        assert ramarea.verify(view, rec) == "entry model/w chunk 1 (bytes 512..1024 of slot0) fails its hash"
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"slot": "../x"}, "slot"),
+        ({"slot": "slot1"}, "slot1 is missing"),
+        ({"slot_size": 1 << 20}, "holds 1024 bytes, the record 1048576"),
+        ({"step": -1}, "step"),
+        ({"entries": {"model/w": {"tier": "L1", "dtype": "float32", "shape": [512], "offset": 0,
+                                  "nbytes": 2048, "chunks": [[2048, "00" * 16]]}}}, "does not fit"),
+        ({"entries": {"model/w": {"tier": "L1", "dtype": "float32", "shape": [256], "offset": 0,
+                                  "nbytes": 1024, "chunks": [[1000, "00" * 16]]}}}, "cover 1000 of 1024"),
+        ({"entries": {"model/w": {"tier": "L1", "dtype": "nope", "shape": [1], "offset": 0,
+                                  "nbytes": 4, "chunks": [[4, "00" * 16]]}}}, "dtype 'nope' is unknown"),
+        ({"format": "other"}, "is not a RAM tier record"),
+    ],
+)  # fmt: skip
+def test_a_damaged_or_foreign_record_is_refused_naming_the_field(tmp_path, change, said):
+    rank = _record_of(tmp_path)
+    rec = json.loads((rank / "ram.json").read_text())
+    rec.update(change)
+    (rank / "ram.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match=None) as err:
+        ramarea.read_record(rank)
+    assert said in str(err.value)
+
+
+def test_layout_aligns_every_entry_and_names_are_checked():
+    offsets, size = ramarea.layout([("a", 3), ("b", 64), ("c", 0), ("d", 65)])
+    assert offsets == {"a": 0, "b": 64, "c": 128, "d": 192} and size == 320
+    with pytest.raises(InvalidName):
+        ram_area("../etc")
+
+
+def test_sizes_and_settings():
+    assert parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_size("lots")
+    s, sources = load_settings(env={"SMARTCKPT_RAM_EVERY": "1.5", "SMARTCKPT_RAM_BUDGET": "2G"})
+    assert s.ram_every == 1.5 and s.ram_budget == "2G" and "ram_every" in sources
+
+
+def test_restart_phases_come_from_the_childs_wall_times():
+    assert restart_phases(100.0, {"restore_began": 102.0}) is None
+    got = restart_phases(100.0, {"restore_began": 102.0, "restore_done": 102.5, "first_step_done": 103.0})
+    assert got == {"to_restore": 2.0, "restore": 0.5, "to_first_step": 0.5, "start_to_first_step": 3.0}
+
+
+# ---------------------------------------------------------------- real training processes
+
+
+def test_a_crashed_process_restores_from_ram_bit_exact(tmp_path, child_env, area):
+    first = _train(tmp_path, child_env, area, 60, "crash")
+    ram_step = first["RAM"]["step"]
+    assert first["RAM"]["snapshots"] >= 2 and 1 <= ram_step <= 60
+    # the disk has no checkpoint (every 1,000 steps): only the RAM snapshot holds the work
+    assert Journal(LocalStorage(tmp_path / "store"), tmp_path / "store").read().records == []
+    second = _train(tmp_path, child_env, area, 90, "finish")
+    assert second["START"] == {"step": ram_step, "from": "ram"}
+    assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 90))
+
+
+def test_a_flipped_byte_sends_the_restore_to_disk_with_one_line(tmp_path, child_env, area):
+    first = _train(tmp_path, child_env, area, 40, "crash", EVERY="20")  # disk: step 20 and 40
+    ram_step = first["RAM"]["step"]
+    assert ram_step == 40  # the disk's save of step 40 is also a RAM snapshot
+    entry = _flip_a_byte(area)
+    second = _train(tmp_path, child_env, area, 50, "finish", EVERY="20")
+    assert second["START"] == {"step": 40, "from": "disk"}
+    damaged = [ln for ln in second["log"] if "damaged" in ln]
+    assert len(damaged) == 1, second["log"]
+    assert f"the RAM snapshot of step 40 is damaged: entry {entry} chunk 0" in damaged[0]
+    assert "fails its hash; restoring from disk" in damaged[0]
+    assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 50))
+
+
+def test_no_room_is_one_line_and_the_tier_stands_down(tmp_path, child_env, area):
+    first = _train(tmp_path, child_env, area, 30, "crash", SMARTCKPT_RAM_BUDGET="64K")
+    assert first["RAM"] == {"step": None, "snapshots": 0}
+    down = [ln for ln in first["log"] if "stands down" in ln]
+    assert len(down) == 1 and "above ram_budget" in down[0], first["log"]
+    assert not (area / "rank0" / "slot0").exists()  # nothing allocated beyond the budget
+    second = _train(tmp_path, child_env, area, 35, "finish")
+    assert second["START"] == {"step": 0, "from": None}
+
+
+def test_flash_persist_writes_the_ram_snapshot_as_a_checkpoint_torch_free(tmp_path, child_env, area):
+    first = _train(tmp_path, child_env, area, 50, "crash")
+    ram_step = first["RAM"]["step"]
+    lines: list[tuple[str, str]] = []
+    owner = RamOwner(area, 1 << 30, lambda level, msg: lines.append((level, msg)))
+    assert owner.persist(tmp_path / "store", None, 0, level=1) == ram_step
+    assert lines and f"the RAM snapshot of step {ram_step} is a checkpoint of the store now" in lines[-1][1]
+    (rec,) = Journal(LocalStorage(tmp_path / "store"), tmp_path / "store").read().records
+    assert rec.step == ram_step and rec.reason == "flash persist" and rec.event.get("lineage")
+    # nothing newer than the disk now: a second persist writes nothing
+    assert owner.persist(tmp_path / "store", None, ram_step, level=1) is None
+    verify = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "verify", str(tmp_path / "store")],
+        env=child_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # the disk copy restores (no RAM area) and trains on to the same bits
+    second = _train(tmp_path, child_env, None, 80, "finish")
+    assert second["START"] == {"step": ram_step, "from": "disk"}
+    assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 80))
+
+
+def test_flash_persist_behind_holds_the_next_commit_until_it_is_written(tmp_path, child_env, area):
+    """The restart does not wait for the flash persist; the next process's first commit does
+    (``flash.lock``, held from before the restart until the journal line is written)."""
+    ram_step = _train(tmp_path, child_env, area, 50, "crash")["RAM"]["step"]
+    got: list[int | None] = []
+    owner = RamOwner(area, 1 << 30, lambda level, msg: None)
+    assert owner.persist_behind(tmp_path / "store", None, 0, level=1, done=got.append) == ram_step
+    ramarea.flash_wait(area)  # what a training process's commit does first
+    (rec,) = Journal(LocalStorage(tmp_path / "store"), tmp_path / "store").read().records
+    assert rec.step == ram_step and rec.reason == "flash persist"
+    owner.wait()
+    assert got == [ram_step]
+
+
+def test_flash_persist_refuses_a_damaged_snapshot(tmp_path, child_env, area):
+    _train(tmp_path, child_env, area, 30, "crash")
+    entry = _flip_a_byte(area)
+    lines: list[tuple[str, str]] = []
+    owner = RamOwner(area, 1 << 30, lambda level, msg: lines.append((level, msg)))
+    assert owner.persist(tmp_path / "store", None, 0, level=1) is None
+    assert (
+        lines[-1][0] == "warning"
+        and f"entry {entry} chunk 0" in lines[-1][1]
+        and "fails its hash" in lines[-1][1]
+    )
+    assert Journal(LocalStorage(tmp_path / "store"), tmp_path / "store").read().records == []
+    assert not list((tmp_path / "store" / "manifests").glob("*.json"))
+
+
+# ---------------------------------------------------------------- smartckpt run end to end
+
+SUPERVISED = ROOT / "tests" / "scripts" / "supervised_train.py"
+
+
+@pytest.mark.slow
+def test_sigkill_under_smartckpt_run_resumes_from_ram_bit_exact(tmp_path, child_env):
+    """The disk every 1,000 steps, RAM snapshots every 0.3 s: a SIGKILL at step 45 of 60 loses
+    only the steps since the newest RAM snapshot; the supervisor persists that snapshot before
+    the restart, the restart restores it from RAM, and the result is bit-exact."""
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    subprocess.run(
+        [sys.executable, str(SUPERVISED), "--total", "60", "--out", str(ref / "final.pt"), "--step-time", "0"],
+        env=dict(child_env, SMARTCKPT_DIR=str(ref / "store")), check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    env = dict(child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
+         "0.3", str(SUPERVISED), "--total", "60", "--kill-at", "45", "--step-time", "0.03", "--out", "final.pt"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    assert_same_state(
+        torch.load(tmp_path / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
+    )
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    rec = json.loads(path.read_text())
+    first, second = rec["attempts"]
+    assert first["cause"] == "killed by SIGKILL" and first["max_step"] == 45
+    # the newest RAM snapshot became a checkpoint before the restart, and the restart began there
+    assert first["flash_persisted"] is not None and 0 < first["flash_persisted"] <= 45
+    assert first["restart_from"] == second["start_step"] == first["flash_persisted"]
+    assert first["steps_lost"] == 45 - first["flash_persisted"] < 45
+    assert second["restored_from"] == "ram"
+    assert set(second["phases"]) == {"to_restore", "restore", "to_first_step", "start_to_first_step"}
+    assert f"flash persist: the RAM snapshot of step {first['flash_persisted']} is a checkpoint" in said
+    assert f"attempt 1: resumed at step {second['start_step']} (restored from ram)" in said
+    assert "RAM tier: " in said and "a snapshot every 0.3 s" in said
+    assert not list(tmp_path.glob("smartckpt-*")), "the RAM area outlives the run"
+
+
+DDP = ROOT / "tests" / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.slow
+def test_two_ranks_one_sigkilled_resume_from_ram_bit_exact(tmp_path, child_env):
+    """Two DDP ranks under smartckpt run, the disk every 1,000 steps: rank 1 SIGKILLs itself at
+    step 30; the supervisor persists both ranks' RAM snapshots of one step as a two-part
+    checkpoint, both ranks restore that step from RAM, and the end is bit-exact."""
+    env = dict(child_env, OMP_NUM_THREADS="1")
+    ref = subprocess.run(
+        [*TORCHRUN, str(DDP), "--mode", "ddp", "--dir", "ref", "--every", "5", "--total", "40", "--out", "ref"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
+         "0.3", "--", *TORCHRUN, str(DDP), "--mode", "ddp", "--total", "40", "--kill-at", "30", "--kill-rank",
+         "1", "--step-time", "0.05", "--out", "final"],
+        cwd=tmp_path, env=dict(env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 0, said
+    for r in (0, 1):
+        assert_same_state(
+            torch.load(tmp_path / f"final.r{r}", weights_only=True),
+            torch.load(tmp_path / f"ref.r{r}", weights_only=True),
+        )
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    first, second = json.loads(path.read_text())["attempts"]
+    step = first["flash_persisted"]
+    assert step is not None and 0 < step <= 30 and second["start_step"] == step, said
+    assert (
+        second["restored_from"] == "ram" and f"rank 0 start {step}" in said and f"rank 1 start {step}" in said
+    )
+    (commit,) = [r for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
+    assert commit.step == step and commit.reason == "flash persist" and commit.world_size == 2
+    assert not list(tmp_path.glob("smartckpt-*"))
