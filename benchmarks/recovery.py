@@ -21,7 +21,12 @@ Set-ups, interleaved (kill 1 of every set-up, then kill 2, ...), medians over ``
 * ``torch`` — a plain loop: ``torch.save`` every N steps (tmp + rename), ``torch.load`` at start,
   restarted by the benchmark itself (no supervisor, no checks).
 
-Not measured: a warm restart (not built) and an anchor (DLRover/torchft): not installed here.
+* ``dlrover`` — the anchor: DLRover 0.6.1's flash checkpoint (``benchmarks/recovery_anchor.py``),
+  the same model, batch and threads under ``dlrover-run --standalone``, a memory checkpoint every
+  ``--dlrover-mem-every`` steps (default 1, its best case), restarted by DLRover's own agent;
+  install it first with ``bash benchmarks/install_anchors.sh`` (into ``.anchors/dlrover``).
+
+Not measured: a warm restart (not built).
 
     python benchmarks/recovery.py --params 4000000 --kills 5 --json recovery_small.json
     python benchmarks/recovery.py --params 100000000 --kills 3 --json recovery_100m.json
@@ -101,6 +106,8 @@ def _lines(progress: Path) -> list[tuple[int, float, int, int]]:
 
 def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> dict[str, Any]:
     """One training run killed once at ``kill_at``; the figures of its recovery."""
+    if setup == "dlrover":
+        return _dlrover(args, kill_at)
     work.mkdir(parents=True)
     script = work / "train.py"
     script.write_text(TRAIN)
@@ -164,6 +171,29 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
     return res
 
 
+def _dlrover(args: argparse.Namespace, kill_at: int) -> dict[str, Any]:
+    """The anchor: DLRover's flash checkpoint under its own agent (recovery_anchor.py), the same
+    model, batch and thread count, a memory checkpoint every ``--dlrover-mem-every`` steps."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import recovery_anchor
+
+    r = recovery_anchor.one_kill(args.params, args.dlrover_mem_every, kill_at, args.timeout)
+    return {
+        "setup": "dlrover",
+        "kill_at": kill_at,
+        "began_again_at": r["restored_step"],
+        "kill_to_first_step": round(r["kill_to_first_step_s"], 3),
+        "steps_lost": r["steps_lost"],
+        "seconds_lost": None,  # the anchor's worker does not log every step's time
+        "detected": round(r["relaunch_s"], 3),  # kill -> the new worker's first line
+        "phases": {
+            "imports": round(r["imports_s"], 3),
+            "restore": round(r["restore_s"], 3),
+            "first_step": round(r["first_step_s"], 3),
+        },
+    }
+
+
 def _median(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
     return round(statistics.median(vals), 3) if vals else None
@@ -177,7 +207,14 @@ def main() -> int:
     p.add_argument("--ram-every", type=float, default=1.0, help="0: the RAM tier's default cadence")
     p.add_argument("--warmup", type=int, default=60, help="kill no earlier than this step")
     p.add_argument("--spread", type=int, default=30, help="kill within this many steps after --warmup")
-    p.add_argument("--setups", default="disk,ram,torch")
+    p.add_argument(
+        "--setups",
+        default="disk,ram,torch",
+        help="any of disk, ram, torch, dlrover (the anchor: bash benchmarks/install_anchors.sh first)",
+    )
+    p.add_argument(
+        "--dlrover-mem-every", type=int, default=1, help="steps between DLRover's memory checkpoints"
+    )
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", default=None)
