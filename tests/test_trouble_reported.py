@@ -173,3 +173,51 @@ def test_trouble_flags_travel_in_the_heartbeat_and_clear(tmp_path: Path):
     beat = proto.read_heartbeat(path, w_pid)
     assert beat is not None and beat.trouble == proto.IO_FAILING and beat.step == 4
     w.close()
+
+
+WARMUP_SCRIPT = """
+import os, signal, time, torch, smartckpt_cli as sc
+
+torch.manual_seed(0)
+model = torch.nn.Linear(6, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+# a warm-up step before the script's own manager exists (as a benchmark's model builder does):
+# zero-code mode arms here and stands down when the manager is built
+model(torch.randn(4, 6)).pow(2).mean().backward()
+opt.step()
+opt.zero_grad()
+time.sleep(1.5)  # building data, say: the supervisor reads the child's report meanwhile
+mgr = sc.CheckpointManager("ck", every_steps=5)
+mgr.register(model=model, optimizer=opt)
+start = mgr.restore()
+print("start", start, flush=True)
+for step in range(start + 1, 31):
+    opt.zero_grad()
+    model(torch.randn(4, 6)).pow(2).mean().backward()
+    opt.step()
+    mgr.step(step)
+    time.sleep(0.02)
+    if step == 23 and os.environ.get("SMARTCKPT_ATTEMPT") == "0":
+        mgr.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+mgr.close()
+"""
+
+
+def test_a_warm_up_step_before_the_scripts_manager_does_not_pass_for_a_start_at_zero(
+    tmp_path: Path, child_env
+):
+    env = {**child_env, "SMARTCKPT_RESTART_BACKOFF": "0.1"}
+    run = _run(tmp_path, env, WARMUP_SCRIPT)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    starts = [int(ln.split()[1]) for ln in run.stdout.splitlines() if ln.startswith("start ")]
+    assert starts[0] == 0 and starts[1] >= 20, out
+    second = _record(tmp_path)["attempts"][1]
+    # the record says where the script really began, not the zero-code guess of the warm-up step
+    assert second["start_step"] == starts[1] and second["restored_from"] in ("disk", "ram"), second
+    resumed = next(ln for ln in out.splitlines() if f"attempt 1: resumed at step {starts[1]}" in ln)
+    if "attempt 1 began again at step 0" in out:  # said while the warm-up step was the only one
+        assert "not step 0 as said above" in resumed, out  # (warnings go to stderr: no order here)
+    summary = next(ln for ln in run.stdout.splitlines() if ln.startswith("smartckpt:   attempt 1:"))
+    assert f"resumed at step {starts[1]}" in summary, out

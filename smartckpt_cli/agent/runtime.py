@@ -315,6 +315,10 @@ def manager_created(manager: Any) -> None:
         logger.warning("a CheckpointManager was created: zero-code checkpointing stands down")
         zc.active = False
         zc.mgr.close()
+        # What zero-code said of where the loop began (step 0, at an optimizer step before this
+        # manager existed: a warm-up step) is not what happened: the script's own manager says
+        # that when it restores.
+        report(start_step=None, restored_from=None, start_step_called=None, checkpoint=None, lineage=None)
 
 
 def start_step() -> int:

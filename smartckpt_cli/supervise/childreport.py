@@ -62,10 +62,19 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
     is known now), ``"check"`` (a resume check verdict), ``"no_optimizer"``."""
     new = []
     start = report.get("start_step")
-    if att.start_step is None and isinstance(start, int) and not isinstance(start, bool):
-        att.start_step = start
-        att.restored_from = report.get("restored_from")
-        if start == 0 and att.restored_from is None and att.newest_checkpoint > 0:
+    came_from = report.get("restored_from")
+    # Taken when first said, and again when the child corrects itself (zero-code mode stood down
+    # for the script's own manager, which then restored): the record holds what happened.
+    if (
+        isinstance(start, int)
+        and not isinstance(start, bool)
+        and (att.start_step, att.restored_from) != (start, came_from)
+    ):
+        if att.start_step is not None:
+            new.append("corrected")  # said before: the line after says it was not so
+        att.start_step, att.restored_from = start, came_from
+        att.began_again = ""
+        if start == 0 and came_from is None and att.newest_checkpoint > 0:
             att.began_again = began_again(report, script)[0]
         new.append("start")
     check = report.get("resume_check")
@@ -161,17 +170,29 @@ def trouble_summary(attempts: list[AttemptRecord]) -> str:
 
 
 def start_line(
-    att: AttemptRecord, report: dict[str, Any], script: str, lost: AttemptRecord | None
+    att: AttemptRecord,
+    report: dict[str, Any],
+    script: str,
+    lost: AttemptRecord | None,
+    corrected: bool = False,
 ) -> tuple[str, str] | None:
     """(level, line) saying where an attempt really began, once it is known; None when there is
     nothing worth a line (a first start with nothing to restore). ``lost``: the attempt before,
-    its lost work already counted from where this one began."""
+    its lost work already counted from where this one began. ``corrected``: the child said
+    otherwise before (zero-code mode armed at a warm-up step, then stood down for the script's
+    own manager, which restored): the line says the earlier one was wrong."""
     if att.start_step is None:
         return None
     if att.restored_from is not None:
+        fixed = (
+            "; not step 0 as said above: the script's own CheckpointManager restored after zero-code "
+            "mode stood down"
+            if corrected
+            else ""
+        )
         return (
             "info",
-            f"attempt {att.attempt}: resumed at step {att.start_step} (restored from {att.restored_from})",
+            f"attempt {att.attempt}: resumed at step {att.start_step} (restored from {att.restored_from}){fixed}",
         )
     if not att.began_again:
         return None

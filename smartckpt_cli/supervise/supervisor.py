@@ -445,7 +445,7 @@ class Supervisor:
             prev.restart_from = att.start_step
             record_lost(prev, self._step_seen)
             self._save_record()
-        said = start_line(att, report, self._script, prev)
+        said = start_line(att, report, self._script, prev, corrected="corrected" in new)
         if said is not None:
             self.emit(*said)
 
