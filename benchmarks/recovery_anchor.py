@@ -19,7 +19,7 @@ DLRover 0.6.1 calls torch's ``SubprocessHandler`` without the ``numa_options`` a
 2.13 requires: the launcher below passes ``None`` for it (the one shim; nothing else is changed).
 
     python benchmarks/recovery_anchor.py --params 100000000 --kills 3
-    python benchmarks/recovery_anchor.py --params 2000000 --kills 5 --json benchmarks/results/recovery_anchor-small.json
+    python benchmarks/recovery_anchor.py --params 2000000 --kills 5 --json docs/recovery-data/recovery_anchor-small.json
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument(
         "--json",
-        default=str(ROOT / "benchmarks" / "results" / "recovery_anchor.json"),
+        default=str(ROOT / "docs" / "recovery-data" / "recovery_anchor.json"),
         help="the result file",
     )
     args = ap.parse_args()

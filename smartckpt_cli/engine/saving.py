@@ -289,7 +289,6 @@ class SavePath:
         recorded, nothing written to disk; the disk's schedule does not move) or a checkpoint."""
         future: Future[Any]
         if ram_only:
-            snap.ram_only = True
             if snap.lazy:
                 self._lazy_snapshot = snap
             self._clock.skip()

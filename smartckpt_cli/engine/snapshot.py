@@ -80,7 +80,6 @@ class Snapshot:
     blocking_seconds: float = 0.0  # time save() blocked the caller (set by the manager)
     calm: bool = True  # the trigger saw calm signals: a known-good candidate for retention
     ram_slot: int | None = None  # the RAM tier's slot it was copied into (engine/ramtier.py)
-    ram_only: bool = False  # a RAM snapshot alone: nothing goes to disk
     # Called by the writer right before the manifest is written (save thread): the resume check
     # adds what the step after the save computed, when it came in time (resumecheck.py).
     before_manifest: Any = None
