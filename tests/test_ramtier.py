@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from smartckpt_cli.config import load_settings, parse_size
+from smartckpt_cli.remote.backend import open_remote
+from smartckpt_cli.remote.check import verify_remote
+from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.journal import Journal
 from smartckpt_cli.store.names import InvalidName, ram_area
@@ -266,6 +269,43 @@ def test_flash_persist_writes_the_ram_snapshot_as_a_checkpoint_torch_free(tmp_pa
     second = _train(tmp_path, child_env, None, 80, "finish")
     assert second["START"] == {"step": ram_step, "from": "disk"}
     assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 80))
+
+
+@pytest.mark.parametrize("remote", ["up", "unwritable"])
+def test_a_flash_persist_no_attempt_follows_goes_to_the_remote_when_the_run_ends(
+    tmp_path, child_env, area, remote
+):
+    """What ``smartckpt run`` does at the end of a run after a flash persist (RamOwner.close):
+    the checkpoint goes to the remote with the training's own uploader; a remote it cannot write
+    to costs one line naming the error, at most ``remote_close_wait``, and no traceback."""
+    ram_step = _train(tmp_path, child_env, area, 50, "crash")["RAM"]["step"]
+    target = tmp_path / "remote"
+    if remote == "unwritable":
+        target.write_text("a file where the remote's directory would be")
+    url = f"file://{target}"
+    settings, _ = load_settings(
+        env={"SMARTCKPT_REMOTE": url, "SMARTCKPT_REMOTE_CLOSE_WAIT": "2", "SMARTCKPT_REMOTE_RETRIES": "1"}
+    )
+    lines: list[tuple[str, str]] = []
+    owner = RamOwner(area, 1 << 30, lambda level, msg: lines.append((level, msg)), settings)
+    assert owner.persist(tmp_path / "store", None, 0, level=1) == ram_step
+    owner.close()
+    assert not area.exists()
+    if remote == "unwritable":
+        assert lines[-1][0] == "warning", lines
+        assert lines[-1][1].startswith(f"flash persist: step {ram_step} is not on the remote {url} ("), lines
+        assert (
+            "NotADirectoryError" in lines[-1][1] and "the next run on this store uploads it" in lines[-1][1]
+        )
+        return
+    assert lines[-1][0] == "info" and lines[-1][1].startswith(
+        f"flash persist: step {ram_step} is on the remote {url} now"
+    ), lines
+    rem = open_remote(url)
+    state = RemoteJournal(rem).read()
+    assert [r.step for r in state.live()] == [ram_step]
+    (check,) = verify_remote(rem, state, step=ram_step)
+    assert check.ok, check
 
 
 def test_flash_persist_behind_holds_the_next_commit_until_it_is_written(tmp_path, child_env, area):

@@ -5,7 +5,7 @@ Order of calls (the supervisor's)::
     RamOwner.open(settings, run_id, emit)   # before the first attempt: the area made, one line
     env.update(owner.env())                 # each attempt: where the area is, the budget per rank
     owner.persist(store_dir, meta_dir, ...) # after a death, before the restart: flash persist
-    owner.close()                           # the run ends: the area removed
+    owner.close()                           # the run ends: flash persists shipped, the area removed
 
 The area (``<ram_dir>/smartckpt-<run id>/``, default ``/dev/shm``) outlives every training
 process of the run, so a restarted process finds the snapshot its predecessor left there; the
@@ -13,6 +13,14 @@ format is ``store/ramarea.py``'s, the training process's side ``engine/ramtier.p
 persist runs here, between the death and the next start, synchronously: the next process starts
 once the snapshot is a committed checkpoint of the store (``supervise/flash.py``), so nothing
 else appends to the journal meanwhile.
+
+With a remote (``--remote``), a flash-persisted checkpoint must reach it too. When another
+attempt follows, its uploader ships it: every round uploads every live local commit the remote
+lacks, and rounds run at its start, at each of its commits (the first waits for this one,
+``flash.lock``), every 30 s and at its close. When none follows, or the one that did died before
+a round saw the checkpoint, :meth:`RamOwner.close` ships it at the end of the run
+(``remote/ship.py``: the same uploader, for at most ``remote_close_wait`` seconds), one line
+either way.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from pathlib import Path
 
 from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.remote.backend import display_url
+from smartckpt_cli.remote.ship import ship
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import StoreDir, open_store
 from smartckpt_cli.store.names import RAM_RECORD, InvalidName, ram_area
@@ -44,9 +54,12 @@ def _size(n: float) -> str:
 class RamOwner:
     """The run's RAM area (module docstring)."""
 
-    def __init__(self, area: Path, budget: int, emit: Emit) -> None:
+    def __init__(self, area: Path, budget: int, emit: Emit, settings: Settings | None = None) -> None:
         self.area, self.budget, self.emit = area, budget, emit
+        self.settings = settings  # its remote and remote_* settings ship the flash persists
         self._thread: threading.Thread | None = None  # a flash persist running behind
+        # (store, manifest) of each checkpoint a flash persist wrote in this run
+        self._flashed: list[tuple[StoreDir, str]] = []
 
     @classmethod
     def open(cls, settings: Settings, run_id: str, emit: Emit) -> RamOwner | None:
@@ -72,7 +85,7 @@ class RamOwner:
             "info",
             f"RAM tier: {area}, up to {_size(budget)} per rank ({_size(free)} free there), a snapshot {every}",
         )
-        return cls(area, budget, emit)
+        return cls(area, budget, emit, settings)
 
     def env(self) -> dict[str, str]:
         return {ramarea.ENV_AREA: str(self.area), ramarea.ENV_BYTES: str(self.budget)}
@@ -151,6 +164,7 @@ class RamOwner:
             return None
         finally:
             held.release()
+        self._flashed.append((store, manifest))
         self.emit(
             "info",
             f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now ({manifest}, {seconds:.2f} s)",
@@ -165,7 +179,55 @@ class RamOwner:
                 rec.unlink()
 
     def close(self) -> None:
-        """The run is over: the area goes (it is memory)."""
+        """The run is over: the checkpoints flash persists wrote go to the remote when they are
+        not there yet (module docstring), then the area goes (it is memory)."""
         self.wait()
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.area)
+        try:
+            self.ship()
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.area)
+
+    def ship(self) -> None:
+        """The live checkpoints that flash persists wrote in this run, onto the remote (when
+        there is one) if no training process's uploader put them there; one line when it ran."""
+        s = self.settings
+        if not self._flashed or s is None or not s.remote:
+            return
+        store = self._flashed[-1][0]
+        try:
+            state = store.journal.read()
+        except (SmartckptError, OSError, ValueError) as err:
+            self.emit(
+                "warning", f"flash persist: not shipped to the remote: the journal cannot be read ({err})"
+            )
+            return
+        wrote = {m for _, m in self._flashed}
+        # pruned or rolled back since: nothing to ship (a newer checkpoint holds the work, or none may)
+        recs = [r for r in state.live() if r.manifest in wrote]
+        if not recs or state.store_id is None:
+            return
+        newest = max(recs, key=lambda r: r.position)
+        got = ship(
+            s,
+            store,
+            state.store_id,
+            {r.id for r in recs},
+            world=newest.world_size,
+            timeout=s.remote_close_wait,
+        )
+        url = display_url(s.remote)
+        steps = ", ".join(str(r.step) for r in recs if r.id in got.missing)
+        if got.missing:
+            why = got.error or f"not uploaded within remote_close_wait ({s.remote_close_wait:g} s)"
+            self.emit(
+                "warning",
+                f"flash persist: step {steps} is not on the remote {url} ({why}); it is a checkpoint "
+                f"of {store.root} only, and the next run on this store uploads it",
+            )
+        elif got.uploaded:
+            self.emit(
+                "info",
+                f"flash persist: step {', '.join(str(r.step) for r in recs)} is on the remote {url} now "
+                f"({got.seconds:.1f} s)",
+            )

@@ -1,0 +1,130 @@
+"""A flash persist reaches the remote: the RAM snapshot a SIGKILLed training process leaves
+behind is a checkpoint on the remote too, whether another attempt follows or not.
+
+Real processes under ``smartckpt run --remote s3://...`` against a real S3 API (moto's server),
+a real SIGKILL of the training process, RAM snapshots every 0.3 s and the disk every 1,000 steps,
+so the only copy of the work done is the RAM snapshot the supervisor persists. A restart follows:
+the next attempt's uploader ships the flash-persisted checkpoint with its own. None follows
+(``max_restarts`` 0, or an error that ``no_restart_on`` stops): the supervisor ships it itself
+before the run ends. Either way the remote's copy verifies (every blob downloaded and re-hashed),
+and where it is the newest, an empty node restores it from the remote and trains on bit-exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from smartckpt_cli.remote.check import connect, verify_remote
+from tests._s3 import MotoServer, client, free_port, s3_env
+from tests._state import assert_same_state
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SUPERVISED = ROOT / "tests" / "scripts" / "supervised_train.py"
+
+
+@pytest.fixture(scope="module")
+def moto():
+    server = MotoServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, monkeypatch):
+    """A fresh bucket on the module's server; the AWS_* variables set in this process too."""
+    bucket = f"b-{uuid.uuid4().hex[:16]}"
+    env = s3_env(moto.port)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    client(moto.port).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/run", env
+
+
+def _run(tmp: Path, env: dict[str, str], url: str, *script_args: str) -> tuple[int, str, dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000",
+         "--ram-every", "0.3", "--remote", url, str(SUPERVISED), "--total", "60", "--step-time", "0.03",
+         "--out", "final.pt", *script_args],
+        cwd=tmp, env=dict(env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (path,) = (tmp / "ck" / "runs").glob("*.json")
+    return out.returncode, out.stdout + out.stderr, json.loads(path.read_text())
+
+
+def _remote_checks(url: str, step: int) -> tuple[list[int], list]:
+    """The remote's live steps, and ``step``'s copy verified there (every blob re-hashed)."""
+    remote, _, state = connect(url)
+    live = sorted(r.step for r in state.live())
+    return live, verify_remote(remote, state, step=step)
+
+
+def test_a_restart_follows_its_uploader_ships_the_flash_persisted_checkpoint(tmp_path, child_env, s3):
+    url, s3vars = s3
+    code, said, rec = _run(tmp_path, {**child_env, **s3vars}, url, "--kill-at", "45")
+    assert code == 0, said
+    first, second = rec["attempts"]
+    step = first["flash_persisted"]
+    assert first["cause"] == "killed by SIGKILL" and step is not None and 0 < step <= 45, said
+    assert second["start_step"] == step and second["restored_from"] == "ram", said
+    live, checks = _remote_checks(url, step)
+    assert step in live, f"the flash-persisted step {step} is not on the remote (live: {live})\n{said}"
+    assert len(checks) == 1 and checks[0].ok, checks
+    assert "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("end", ["gave-up", "stopped"])
+def test_no_restart_follows_the_supervisor_ships_it_and_an_empty_node_restores_it(
+    tmp_path, child_env, s3, end
+):
+    """``gave-up``: SIGKILL with ``max_restarts`` 0 (the flash persist runs behind, the run ends);
+    ``stopped``: an error ``no_restart_on`` names (the flash persist runs at once)."""
+    url, s3vars = s3
+    env = {**child_env, **s3vars}
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    subprocess.run(
+        [sys.executable, str(SUPERVISED), "--total", "60", "--out", str(ref / "final.pt"), "--step-time", "0"],
+        env=dict(child_env, SMARTCKPT_DIR=str(ref / "store")), check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    if end == "gave-up":
+        code, said, rec = _run(tmp_path, dict(env, SMARTCKPT_MAX_RESTARTS="0"), url, "--kill-at", "45")
+        assert code == 3 and rec["outcome"] == "gave-up", said
+    else:
+        code, said, rec = _run(
+            tmp_path, dict(env, SMARTCKPT_NO_RESTART_ON="injected failure"), url, "--fail-at", "45"
+        )
+        assert code == 1 and rec["outcome"] == "failed", said
+    (only,) = rec["attempts"]
+    step = only["flash_persisted"]
+    assert step is not None and 0 < step <= 45, said
+    live, checks = _remote_checks(url, step)
+    assert live and max(live) == step, (
+        f"the flash-persisted step {step} is not on the remote (live: {live})\n{said}"
+    )
+    assert len(checks) == 1 and checks[0].ok, checks
+    assert f"flash persist: step {step} is on the remote s3://" in said, said
+    if end == "gave-up":  # (the other one's traceback is the script's own)
+        assert "Traceback" not in said, said
+
+    # another node, nothing local: it restores the flash-persisted step from the remote
+    fresh = tmp_path / "fresh"
+    out = subprocess.run(
+        [sys.executable, str(SUPERVISED), "--total", "60", "--out", str(fresh / "final.pt"), "--step-time", "0"],
+        env=dict(env, SMARTCKPT_DIR=str(fresh / "store"), SMARTCKPT_REMOTE=url, SMARTCKPT_EVERY_STEPS="1000"),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"start {step}\n" in out.stdout, out.stdout + out.stderr
+    assert_same_state(
+        torch.load(fresh / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
+    )
