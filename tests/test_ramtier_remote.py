@@ -128,3 +128,34 @@ def test_no_restart_follows_the_supervisor_ships_it_and_an_empty_node_restores_i
     assert_same_state(
         torch.load(fresh / "final.pt", weights_only=True), torch.load(ref / "final.pt", weights_only=True)
     )
+
+
+DDP = ROOT / "tests" / "scripts" / "ddp_train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def test_two_ranks_no_restart_follows_both_parts_reach_the_remote(tmp_path, child_env, s3):
+    """Two DDP ranks, rank 1 SIGKILLs itself, ``max_restarts`` 0: the flash persist is a
+    checkpoint of two parts; the supervisor ships both (one uploader per rank, rank 0's commit
+    once both are marked) and the remote's copy verifies."""
+    url, s3vars = s3
+    out = subprocess.run(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
+         "0.3", "--remote", url, "--", *TORCHRUN, str(DDP), "--mode", "ddp", "--total", "40", "--kill-at", "30",
+         "--kill-rank", "1", "--step-time", "0.05"],
+        cwd=tmp_path, env={**child_env, **s3vars, "OMP_NUM_THREADS": "1", "SMARTCKPT_MAX_RESTARTS": "0",
+                           "SMARTCKPT_RAM_DIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 3, said
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    (only,) = json.loads(path.read_text())["attempts"]
+    step = only["flash_persisted"]
+    assert step is not None and 0 < step <= 30, said
+    remote, _, state = connect(url)
+    (rec,) = [r for r in state.live() if r.step == step]
+    assert rec.world_size == 2, rec
+    (check,) = verify_remote(remote, state, step=step)
+    assert check.ok, check
+    assert f"flash persist: step {step} is on the remote s3://" in said, said
