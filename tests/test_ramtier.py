@@ -419,3 +419,152 @@ def test_two_ranks_one_sigkilled_resume_from_ram_bit_exact(tmp_path, child_env):
     (commit,) = [r for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
     assert commit.step == step and commit.reason == "flash persist" and commit.world_size == 2
     assert not list(tmp_path.glob("smartckpt-*"))
+
+
+# A state of 6.3 MB (0.5M float32 parameters and AdamW's two moments): each RAM slot is larger than
+# the 2 MB tmpfs below. argv: total steps, the step before which the first attempt SIGKILLs itself.
+BIG = r"""
+import os, signal, sys, time
+import torch
+import smartckpt_cli as sc
+total, kill_at = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+mgr = sc.CheckpointManager()  # directory, schedule, RAM area: from smartckpt run
+mgr.register(model=model, optimizer=opt)
+start = mgr.restore()
+print(f"start {start}", flush=True)
+for step in range(start, total):
+    if step == kill_at and os.environ.get("SMARTCKPT_ATTEMPT") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = model(torch.randn(8, 256, generator=torch.Generator().manual_seed(step))).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mgr.step(step + 1, loss=loss)
+    time.sleep(0.02)
+mgr.close()
+print(f"done {total}", flush=True)
+"""
+
+
+def _in_tmpfs(shm: Path, options: str) -> list[str]:
+    """The command prefix that runs the rest of a command line with a tmpfs mounted on ``shm``,
+    in a mount namespace of its own (the mount goes with the last process in it); a skip, with
+    the reason, where this machine cannot mount one."""
+    prefix = [
+        "unshare",
+        "-m",
+        "--",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o {options} tmpfs "$0" && exec "$@"',
+        str(shm),
+    ]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a tmpfs here: {err}")
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (unshare -m, mount -t tmpfs): {probe.stderr.strip()}")
+    return prefix
+
+
+def _run_in_tmpfs(tmp_path: Path, child_env, options: str, every: str) -> tuple[str, list[dict], Path]:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    script = tmp_path / "big.py"
+    script.write_text(BIG)
+    out = subprocess.run(
+        [*_in_tmpfs(shm, options), sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck",
+         "--every", every, "--ram-every", "0.1", str(script), "40", "28"],
+        cwd=tmp_path, env=dict(child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(shm)),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "done 40" in out.stdout, said
+    assert "Traceback" not in said and "SIGBUS" not in said, said
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    attempts = json.loads(path.read_text())["attempts"]
+    assert [a["cause"] for a in attempts] == ["killed by SIGKILL", "finished"], said
+    return said, attempts, shm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("options", "line", "lines"),
+    [
+        # a state of 6.3 MB: two slots do not fit (checked before anything is allocated)
+        ("size=2m", "has 2.1 MB free: the RAM tier stands down, restarts restore from disk", 2),
+        # no room for the run's RAM area (the supervisor's line; no training process tries)
+        ("size=100m,nr_inodes=1", "RAM tier off: cannot use {shm} ([Errno 28] No space left on device", 1),
+        # no room for a slot (an inode, here; posix_fallocate's ENOSPC takes the same way)
+        ("size=100m,nr_inodes=3", "refused 6.3 MB for a RAM slot (No space left on device): the RAM tier "
+         "stands down, restarts restore from disk", 2),
+        # no room for the record naming a snapshot
+        ("size=100m,nr_inodes=5", "failed (OSError: [Errno 28] No space left on device: '{shm}/smartckpt-", 2),
+    ],
+    ids=["state-larger-than-the-tmpfs", "no-room-for-the-area", "no-room-for-a-slot", "no-room-for-the-record"],
+)  # fmt: skip
+def test_a_full_tmpfs_is_one_line_the_tier_stands_down_and_the_restart_restores_from_disk(
+    tmp_path, child_env, options, line, lines
+):
+    """``ram_dir`` on a real tmpfs that cannot take the RAM tier: one line from each process that
+    meets it (never a SIGBUS, never a traceback), training goes on with the disk alone, and the
+    restart after a SIGKILL restores the disk's newest checkpoint."""
+    said, (first, second), shm = _run_in_tmpfs(tmp_path, child_env, options, every="10")
+    down = [ln for ln in said.splitlines() if "restarts restore from disk" in ln]
+    assert len(down) == lines, said
+    assert all(ln.startswith("smartckpt: ") and line.format(shm=shm) in ln for ln in down), down
+    assert first["flash_persisted"] is None, first
+    assert second["restored_from"] == "disk" and second["start_step"] == 20, second
+
+
+@pytest.mark.slow
+def test_no_room_for_the_flash_lock_the_flash_persist_runs_before_the_restart(tmp_path, child_env):
+    """Room for one RAM snapshot and nothing else (6 inodes: the area, a rank, 2 slots, the
+    record), the disk every 1,000 steps: the supervisor cannot make the ``flash.lock`` that lets
+    a flash persist run behind the restart, so it persists before it (the run used to end here,
+    exit 1, on ENOSPC), and the restart restores that step."""
+    said, (first, second), _ = _run_in_tmpfs(tmp_path, child_env, "size=100m,nr_inodes=6", every="1000")
+    step = first["flash_persisted"]
+    assert step is not None and 0 < step < 28, said
+    assert f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now" in said
+    assert second["start_step"] == step and second["restored_from"] == "ram", second
+    down = [ln for ln in said.splitlines() if "the RAM tier stands down" in ln]
+    assert len(down) == 2 and all("No space left on device" in ln for ln in down), said
+
+
+def test_a_slot_the_tmpfs_cannot_hold_is_refused_before_it_is_mapped(tmp_path):
+    """posix_fallocate on a real 2 MB tmpfs: a slot of 4 MB, and a 1 MB slot grown to 3 MB, are
+    refused with ENOSPC before any page is mapped (no SIGBUS later); the tmpfs takes back what
+    the failed call had allocated, and the grown slot keeps its old size and mapping."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    code = r"""
+import errno, sys
+from pathlib import Path
+from smartckpt_cli.store import ramarea
+d = Path(sys.argv[1])
+free = ramarea.room(d)
+try:
+    ramarea.Slot(d / "slot0", 4 << 20)
+    print("4 MB: allocated")
+except OSError as err:
+    print("4 MB:", errno.errorcode[err.errno], ramarea.room(d) == free)
+slot = ramarea.Slot(d / "slot1", 1 << 20)
+slot.map[-1] = 7
+try:
+    slot.resize(3 << 20)
+    print("grown: allocated")
+except OSError as err:
+    print("grown:", errno.errorcode[err.errno], ramarea.room(d) == free - (1 << 20), len(slot.map), slot.map[-1])
+"""
+    out = subprocess.run(
+        [*_in_tmpfs(shm, "size=2m"), sys.executable, "-c", code, str(shm)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["4 MB: ENOSPC True", f"grown: ENOSPC True {1 << 20} 7"], out.stdout

@@ -100,7 +100,9 @@ class RamTier:
         try:
             rank_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            logger.warning("RAM tier off: cannot use %s (%s); restarts restore from disk", rank_dir, err)
+            logger.warning(
+                "smartckpt: RAM tier off: cannot use %s (%s); restarts restore from disk", rank_dir, err
+            )
             return None
         budget = (
             parse_size(settings.ram_budget) if settings.ram_budget else int(os.environ.get(ENV_BYTES) or 0)

@@ -317,7 +317,10 @@ class SavePath:
             snap.wait_ready()
             self._ram.commit(snap, snap.ram_slot, self._persister.pool)
         except Exception as err:
-            self._ram.stand_down(f"the RAM snapshot of step {snap.step} failed ({type(err).__name__}: {err})")
+            self._ram.stand_down(
+                f"the RAM snapshot of step {snap.step} failed ({type(err).__name__}: {err}): the RAM tier "
+                "stands down, restarts restore from disk"
+            )
         finally:
             self._ram_end(snap.ram_slot)
 

@@ -189,8 +189,13 @@ def write_record(rank_dir: Path, record: dict[str, Any]) -> None:
     """The commit point of a RAM snapshot: the record written whole (tmp + rename; a tmpfs needs
     no fsync, and outlives the process, not the machine)."""
     tmp = rank_dir / f".{RAM_RECORD}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"format": RAM_FORMAT, "version": RAM_VERSION, **record}))
-    os.replace(tmp, rank_dir / RAM_RECORD)
+    try:
+        tmp.write_text(json.dumps({"format": RAM_FORMAT, "version": RAM_VERSION, **record}))
+        os.replace(tmp, rank_dir / RAM_RECORD)
+    except BaseException:  # a full tmpfs: no half-written file left holding its memory
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _int(value: Any, where: str, field: str, low: int = 0) -> int:

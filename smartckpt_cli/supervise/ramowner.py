@@ -116,7 +116,12 @@ class RamOwner:
         got = self._take(store_dir, meta_dir, newest_disk)
         if got is None:
             return None
-        fd = os.open(self.area / ramarea.FLASH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.area / ramarea.FLASH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # a full tmpfs (no inode left): written now, before the next process exists
+            step = self._write(got[0], got[1], level)
+            done(step)
+            return step
         fcntl.flock(fd, fcntl.LOCK_EX)  # before the next process exists: it cannot commit first
 
         def run() -> None:
