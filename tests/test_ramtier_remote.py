@@ -79,6 +79,8 @@ def test_a_restart_follows_its_uploader_ships_the_flash_persisted_checkpoint(tmp
     live, checks = _remote_checks(url, step)
     assert step in live, f"the flash-persisted step {step} is not on the remote (live: {live})\n{said}"
     assert len(checks) == 1 and checks[0].ok, checks
+    # shipped by the next attempt's uploader: the supervisor found it there and had nothing to do
+    assert "is on the remote" not in said and "is not on the remote" not in said, said
     assert "Traceback" not in said, said
 
 
