@@ -108,6 +108,8 @@ def install_hooks() -> None:
     if _installed or run_dir() is None:
         return
     _installed = True
+    # torch is imported and the hooks are in: the end of a start's "imports" phase (run record)
+    report(torch_ready=time.time())
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     global _watch
