@@ -121,9 +121,12 @@ def main() -> None:
     try:
         # What the script's first optimizer imports (torch.optim loads torch._dynamo when the
         # first one is built: 1 s here, as long as torch itself on some machines).
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
     except Exception:
         pass  # a torch without it: the script imports what it needs itself
+    if torch.cuda.is_initialized():  # a CUDA context must be the script's own, made after it starts
+        _send(sock, {"error": "CUDA was initialised while importing"})
+        raise SystemExit(3)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     _send(sock, {"ready": os.getpid(), "imported": round(time.perf_counter() - t0, 3), "rss": rss})
     req = _wait(sock)
