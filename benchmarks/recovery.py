@@ -10,14 +10,21 @@ restarter; at a random step after ``--warmup`` steps the benchmark SIGKILLs the 
   step the restart began at, and the seconds the first run had spent on them (when the restart
   began at step 0: from the killed run's first step, its start-up not counted);
 * for the ``smartckpt run`` set-ups, the phases of the restart from the run record
-  (``attempts[1].phases``: start -> restore began, restore, restore -> first step done) and
-  ``detected``: kill -> the next attempt started (detection, flash persist, backoff, spawn).
+  (``attempts[1].phases``: ``detection`` death -> noticed, ``relaunch`` noticed -> started,
+  ``imports`` start -> torch imported, ``to_restore`` start -> restore began (imports, building
+  the model), ``restore``, ``to_first_step`` restore done -> first step done) and ``detected``:
+  kill -> the next attempt started (detection, flash persist, backoff, spawn).
 
 Set-ups, interleaved (kill 1 of every set-up, then kill 2, ...), medians over ``--kills``:
 
-* ``disk``  — ``smartckpt run --every N`` with the RAM tier off (``SMARTCKPT_RAM=false``): today;
+* ``disk``  — ``smartckpt run --every N`` with the RAM tier off (``SMARTCKPT_RAM=false``) and no
+  warm restart (``SMARTCKPT_WARM_RESTART=false``): what a restart cost before either existed;
 * ``ram``   — the same with the RAM tier on (``--ram-every``, default 1 s): the restart restores
   from shared memory (the supervisor first persists the newer RAM snapshot to disk);
+* ``warm``  — the RAM tier and a warm restart (the default of ``smartckpt run``): the restart
+  runs in the spare interpreter prepared while the first attempt trained. The kill comes at the
+  first step past the chosen one at which the supervisor has said its spare is ready (a crash
+  later than the first seconds of a run, which is when crashes cost anything);
 * ``torch`` — a plain loop: ``torch.save`` every N steps (tmp + rename), ``torch.load`` at start,
   restarted by the benchmark itself (no supervisor, no checks).
 
@@ -26,7 +33,8 @@ Set-ups, interleaved (kill 1 of every set-up, then kill 2, ...), medians over ``
   ``--dlrover-mem-every`` steps (default 1, its best case), restarted by DLRover's own agent;
   install it first with ``bash benchmarks/install_anchors.sh`` (into ``.anchors/dlrover``).
 
-Not measured: a warm restart (not built).
+The restart backoff is 0 for every ``smartckpt run`` set-up (``SMARTCKPT_RESTART_BACKOFF=0``;
+the default waits 2 s before a first restart).
 
     python benchmarks/recovery.py --params 4000000 --kills 5 --json recovery_small.json
     python benchmarks/recovery.py --params 100000000 --kills 3 --json recovery_100m.json
@@ -115,23 +123,24 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
     env = dict(os.environ, PYTHONPATH=str(ROOT), SMARTCKPT_RESTART_BACKOFF="0")
     env = {k: v for k, v in env.items() if not k.startswith("SMARTCKPT_") or k == "SMARTCKPT_RESTART_BACKOFF"}
     cmd = [sys.executable, str(script), str(args.params), str(args.every), setup, str(progress)]
+    log = None
     if setup == "torch":
         procs = [subprocess.Popen(cmd, env=dict(env, BENCH_ATTEMPT="0"), cwd=work)]
     else:
         if setup == "disk":
             env["SMARTCKPT_RAM"] = "false"
-        else:
-            if args.ram_every > 0:  # 0: the default cadence (2 % of the step time)
-                env["SMARTCKPT_RAM_EVERY"] = str(args.ram_every)
+        elif args.ram_every > 0:  # 0: the default cadence (2 % of the step time)
+            env["SMARTCKPT_RAM_EVERY"] = str(args.ram_every)
+        env["SMARTCKPT_WARM_RESTART"] = "true" if setup == "warm" else "false"
         run = [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", str(work / "ck"), "--every",
                str(args.every), "--", *cmd]  # fmt: skip
-        procs = [
-            subprocess.Popen(run, env=env, cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        ]
+        log = (work / "run.log").open("w")
+        procs = [subprocess.Popen(run, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT)]
     deadline = time.time() + args.timeout
     while True:
         seen = _lines(progress)
-        if seen and seen[-1][0] >= kill_at:
+        ready = setup != "warm" or "waits for the next restart" in (work / "run.log").read_text()
+        if seen and seen[-1][0] >= kill_at and ready:
             break
         if time.time() > deadline or procs[0].poll() is not None:
             raise RuntimeError(f"{setup}: the run did not reach step {kill_at}")
@@ -144,6 +153,8 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
         procs.append(subprocess.Popen(cmd, env=dict(env, BENCH_ATTEMPT="1"), cwd=work))
     for p in procs[-1:]:
         p.wait(timeout=args.timeout)
+    if log is not None:
+        log.close()
     seen = _lines(progress)
     killed_step = max(s for s, _, p, _ in seen if p == pid)
     after = [x for x in seen if x[2] != pid and x[0] > x[3]]  # steps, not the start marker
@@ -165,6 +176,7 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
         rec = json.loads(rec_path.read_text())
         second = rec["attempts"][1]
         res["restored_from"] = second.get("restored_from")
+        res["warm"] = second.get("warm")
         res["detected"] = round(second["started"] - t_kill, 3)
         res["phases"] = second.get("phases")
         res["flash_persisted"] = rec["attempts"][0].get("flash_persisted")
@@ -210,7 +222,7 @@ def main() -> int:
     p.add_argument(
         "--setups",
         default="disk,ram,torch",
-        help="any of disk, ram, torch, dlrover (the anchor: bash benchmarks/install_anchors.sh first)",
+        help="any of disk, ram, warm, torch, dlrover (the anchor: bash benchmarks/install_anchors.sh first)",
     )
     p.add_argument(
         "--dlrover-mem-every", type=int, default=1, help="steps between DLRover's memory checkpoints"
@@ -238,13 +250,15 @@ def main() -> int:
         }
         phases = [r["phases"] for r in mine if r.get("phases")]
         if phases:
+            keys = dict.fromkeys(k for ph in phases for k in ph)  # in order, every key any run had
             summary[setup]["phases"] = {
-                k: round(statistics.median(ph[k] for ph in phases if k in ph), 3) for k in phases[0]
+                k: round(statistics.median(ph[k] for ph in phases if k in ph), 3) for k in keys
             }
-    if "disk" in summary and "ram" in summary and summary["ram"]["kill_to_first_step"]:
-        summary["ratio_disk_over_ram"] = round(
-            summary["disk"]["kill_to_first_step"] / summary["ram"]["kill_to_first_step"], 2
-        )
+    for fast in ("ram", "warm"):
+        if "disk" in summary and fast in summary and summary[fast]["kill_to_first_step"]:
+            summary[f"ratio_disk_over_{fast}"] = round(
+                summary["disk"]["kill_to_first_step"] / summary[fast]["kill_to_first_step"], 2
+            )
     result = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "params": args.params,

@@ -129,7 +129,7 @@ _smartckpt() {
                 --remote-start-wait) COMPREPLY=(); return ;;
                 --ram-every) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --ram-every --resume-finished -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--dir --every --max-restarts --hang-timeout --requeue --no-requeue --config --remote --remote-start-wait --remote-start-fresh --no-remote-start-fresh --ram-every --warm-restart --no-warm-restart --resume-finished -h --help" -- "$cur")) && return
             ;;
         "config show")
             case "$prev" in

@@ -99,6 +99,7 @@ complete -c smartckpt -n '__fish_seen_subcommand_from run' -l remote -x -d 'Repl
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l remote-start-wait -x -d 'Seconds to wait for an unreachable remote when nothing is local to resume...'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l remote-start-fresh -l no-remote-start-fresh -d 'With nothing local and the remote unreachable: start a new store at step 0 at...'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l ram-every -x -d 'Seconds between snapshots kept in shared memory for a fast restart (default:...'
+complete -c smartckpt -n '__fish_seen_subcommand_from run' -l warm-restart -l no-warm-restart -d 'Keep a spare interpreter with torch imported for the next restart (default on).'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -l resume-finished -d 'Start the command even when its last run in --dir finished (it trains on from...'
 complete -c smartckpt -n '__fish_seen_subcommand_from run' -s h -l help -d 'Show this message and exit.'
 complete -c smartckpt -f -n '__fish_seen_subcommand_from config; and not __fish_seen_subcommand_from show' -a show -d 'Print every setting\'s effective value and its source: default, the YAML file,'

@@ -178,6 +178,7 @@ _smartckpt_run() {
     '--remote-start-wait[Seconds to wait for an unreachable remote when nothing is local to resume...]:remote-start-wait: ' \
     '--remote-start-fresh[With nothing local and the remote unreachable - start a new store at step 0 at...]' '--no-remote-start-fresh[With nothing local and the remote unreachable - start a new store at step 0 at...]' \
     '--ram-every[Seconds between snapshots kept in shared memory for a fast restart (default -...]:ram-every: ' \
+    '--warm-restart[Keep a spare interpreter with torch imported for the next restart (default on).]' '--no-warm-restart[Keep a spare interpreter with torch imported for the next restart (default on).]' \
     '--resume-finished[Start the command even when its last run in --dir finished (it trains on from...]' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     '*:command:_files'

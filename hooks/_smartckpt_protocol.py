@@ -27,8 +27,9 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
                          ``save_failures`` (count, last error, step), ``io_error`` (what cannot be
                          written and why; null once it works again), ``checkpointing_off`` (why
                          zero-code checkpointing turned itself off, and at which step). Phases
-                         of a restart (wall times): ``restore_began``, ``restore_done``,
-                         ``first_step_done``. Every key is optional.
+                         of a start (wall times): ``torch_ready`` (torch imported, the hooks in),
+                         ``restore_began``, ``restore_done``, ``first_step_done``. Every key is
+                         optional.
 """
 
 from __future__ import annotations

@@ -90,6 +90,8 @@ class Settings:
     ram_every: float | None = None  # seconds between RAM snapshots; None: as often as RAM_SHARE allows
     ram_budget: str | None = None  # per rank: "8G", "512M", bytes; None: half the free memory / local ranks
     ram_dir: str | None = None  # where the RAM tier lives (a tmpfs); None: /dev/shm
+    # a spare interpreter, torch imported, waits to become the next attempt (supervise/warm.py)
+    warm_restart: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:

@@ -47,7 +47,7 @@ from smartckpt_cli.engine.heartbeat import (
     set_done_at_exit,
     trouble,
 )
-from smartckpt_cli.engine.report import report
+from smartckpt_cli.engine.report import note, report
 from smartckpt_cli.errors import EXIT_REMOTE_UNREACHABLE, RemoteStartRefused
 
 if TYPE_CHECKING:
@@ -108,6 +108,9 @@ def install_hooks() -> None:
     if _installed or run_dir() is None:
         return
     _installed = True
+    # torch is imported and the hooks are in: the end of a start's "imports" phase (run record),
+    # written with this process's first report
+    note(torch_ready=time.time())
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     global _watch

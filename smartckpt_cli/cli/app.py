@@ -298,6 +298,13 @@ def run_cmd(
             help="Seconds between snapshots kept in shared memory for a fast restart (default: as often as 2 % of the step time allows)."
         ),
     ] = None,
+    warm_restart: Annotated[
+        bool | None,
+        typer.Option(
+            "--warm-restart/--no-warm-restart",
+            help="Keep a spare interpreter with torch imported for the next restart (default on).",
+        ),
+    ] = None,
     resume_finished: Annotated[
         bool,
         typer.Option(
@@ -341,6 +348,7 @@ def run_cmd(
         "remote_start_wait": remote_start_wait,
         "remote_start_fresh": remote_start_fresh,
         "ram_every": ram_every,
+        "warm_restart": warm_restart,
     }
     raise typer.Exit(
         run_command(list(command or []), overrides, config, every, resume_finished=resume_finished)

@@ -21,7 +21,7 @@ from typing import Any
 
 from smartckpt_cli.engine.heartbeat import protocol, run_dir
 
-__all__ = ["report", "reported"]
+__all__ = ["note", "report", "reported"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,16 @@ def report(**facts: Any) -> None:
             proto.write_json(proto.report_path(where, _pid), payload)
         except (OSError, TypeError, ValueError) as err:
             logger.debug("report not written: %s", err)
+
+
+def note(**facts: Any) -> None:
+    """Add ``facts`` to what the next :func:`report` writes, writing nothing now: a process that
+    never reports (the torchrun agent, a DataLoader worker) leaves no file for them."""
+    global _facts, _pid
+    with _lock:
+        if _pid != os.getpid():
+            _facts, _pid = {}, os.getpid()
+        _facts.update(facts)
 
 
 def reported() -> dict[str, Any]:

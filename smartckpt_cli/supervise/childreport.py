@@ -57,7 +57,9 @@ def began_again(report: dict[str, Any], script: str) -> tuple[str, str]:
     return "nothing was restored", "see the child's output above for why"
 
 
-def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
+def learn(
+    att: AttemptRecord, report: dict[str, Any], script: str, prev: AttemptRecord | None = None
+) -> list[str]:
     """Take what ``report`` says into ``att``; returns what is new: ``"start"`` (where it began
     is known now), ``"check"`` (a resume check verdict), ``"no_optimizer"``."""
     new = []
@@ -81,7 +83,7 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
     if isinstance(check, dict) and att.resume_check != check:
         att.resume_check = check
         new.append("check")
-    phases = restart_phases(att.started, report)
+    phases = restart_phases(att.started, report, prev)
     if phases and phases != att.phases:
         att.phases = phases
     if report.get("no_optimizer") and not att.no_optimizer:
@@ -98,17 +100,31 @@ def learn(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
     return new
 
 
-def restart_phases(started: float, report: dict[str, Any]) -> dict[str, float] | None:
-    """Seconds of an attempt's start as its child reported them (wall times): start -> restore
-    began (interpreter, imports, building the model), the restore, restore done -> the first
-    resumed step done; None before the restore is reported."""
-    t = {k: report.get(k) for k in ("restore_began", "restore_done", "first_step_done")}
+def restart_phases(
+    started: float, report: dict[str, Any], prev: AttemptRecord | None = None
+) -> dict[str, float] | None:
+    """Seconds of an attempt's start (wall times; None before the restore is reported):
+    ``detection`` the previous attempt's death -> the supervisor noticed it, ``relaunch`` noticed
+    -> this attempt started (flash persist, backoff, spawn), ``imports`` start -> torch imported
+    and the hooks installed (about 0 from a warm spare), ``to_restore`` start -> restore began
+    (imports, the script's own set-up, building the model), ``restore``, ``to_first_step``
+    restore done -> the first resumed step done, ``start_to_first_step``."""
+    keys = ("torch_ready", "restore_began", "restore_done", "first_step_done")
+    t = {k: report.get(k) for k in keys}
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in t.values() if v is not None):
         return None
     began, done, first = t["restore_began"], t["restore_done"], t["first_step_done"]
     if began is None or done is None:
         return None
-    out = {"to_restore": round(began - started, 4), "restore": round(done - began, 4)}
+    out: dict[str, float] = {}
+    if prev is not None and prev.died is not None and prev.ended >= prev.died:
+        out["detection"] = round(prev.ended - prev.died, 4)
+        out["relaunch"] = round(started - prev.ended, 4)
+    ready = t["torch_ready"]
+    if ready is not None and ready <= began:
+        out["imports"] = round(max(0.0, ready - started), 4)
+    out["to_restore"] = round(began - started, 4)
+    out["restore"] = round(done - began, 4)
     if first is not None:
         out["to_first_step"] = round(first - done, 4)
         out["start_to_first_step"] = round(first - started, 4)

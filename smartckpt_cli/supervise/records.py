@@ -92,11 +92,14 @@ class AttemptRecord:
     delay: float = 0.0  # backoff before the next attempt
     rollback_to: int | None = None
     # The RAM tier (supervise/ramowner.py): the step of the RAM snapshot the supervisor wrote to
-    # the store after this attempt died (flash persist); the restart phases the next attempt
-    # reported (seconds: ``to_restore`` start -> restore began, ``restore``, ``to_first_step``
-    # restore done -> first resumed step done, ``start_to_first_step``).
+    # the store after this attempt died (flash persist); this attempt's restart phases, from its
+    # report and the previous attempt's death (seconds, ``childreport.restart_phases``).
     flash_persisted: int | None = None
     phases: dict[str, float] | None = None
+    # A warm restart (supervise/warm.py): this attempt ran in the spare interpreter prepared
+    # while the previous one trained; when the process died (``ended``: when that was noticed).
+    warm: bool = False
+    died: float | None = None
 
     @property
     def began(self) -> int:

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ from smartckpt_cli.supervise.records import (
 )
 from smartckpt_cli.supervise.restarts import crash_loop_diagnosis, record_lost, roll_back, wait_to_restart
 from smartckpt_cli.supervise.runstate import Emit, RunOptions, RunState
+from smartckpt_cli.supervise.warm import Spare, WarmPlan, warm_plan
 from smartckpt_cli.supervise.watch import hang_kill, observe, relay
 
 __all__ = ["Supervisor"]
@@ -79,6 +81,7 @@ __all__ = ["Supervisor"]
 logger = logging.getLogger(__name__)
 
 HOOKS_GRACE = 20.0  # seconds after start without a hooks file before warning that hooks are not live
+SPARE_WAIT = 120.0  # seconds a restart waits for a spare still importing before starting cold
 
 
 class Supervisor:
@@ -105,6 +108,9 @@ class Supervisor:
         self._script = script_name(list(options.command))
         self._report: dict[str, Any] | None = None  # what the current attempt's child said it did
         self.ram: RamOwner | None = None  # the RAM tier's area (ramowner.py), made by run()
+        self._warm: WarmPlan | None = None  # how a spare runs the command; None: restarts start cold
+        self.spare: Spare | None = None  # the next attempt's interpreter, importing or ready
+        self._spare_said = False
 
     # ------------------------------------------------------------------ the run
 
@@ -123,9 +129,16 @@ class Supervisor:
             self.emit("warning", warn)
         self.signals.install()
         self.ram = RamOwner.open(self.s, self.run_id, self.emit)
+        if self.s.warm_restart:
+            plan = warm_plan(self.opts.command)
+            if isinstance(plan, str):
+                self.emit("info", f"warm restart off: {plan}; a restart starts a new interpreter")
+            else:
+                self._warm = plan
         try:
             return self._loop()
         finally:
+            self._drop_spare()
             if self.ram is not None:
                 self.ram.close()
             self.signals.uninstall()
@@ -298,36 +311,26 @@ class Supervisor:
         oom_before = oom_kills()
         mtbf = None if "mtbf" in self.opts.sources else learned_mtbf(self.dir, self.record)
         self.record.mtbf = mtbf if mtbf is not None else self.record.mtbf
-        env = child_env(
-            dict(os.environ),
-            self.s,
-            self.opts.sources,
-            store_dir=self.dir,
-            run_dir=self.run_dir,
-            run_id=self.run_id,
-            attempt=attempt,
-            mtbf=mtbf,
-        )
-        if self.ram is not None:
-            env.update(self.ram.env())
-        pipe = subprocess.PIPE if self.opts.output is not None else None
-        if pipe:
-            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold its lines back until exit
-        proc = subprocess.Popen(
-            self.opts.command,
-            env=env,
-            start_new_session=True,
-            stdout=pipe,
-            stderr=subprocess.STDOUT if pipe else None,
-        )
+        env = self._env(attempt, mtbf)
+        proc, warm = self._spawn(attempt, env)
+        reaped = threading.Event()
+        died: list[float] = []
+
+        def reap() -> None:  # the moment of death, for the record's "detection" phase
+            proc.wait()
+            died.append(time.time())
+            reaped.set()
+
+        threading.Thread(target=reap, name="smartckpt-reaper", daemon=True).start()
         relay_thread = relay(proc, self.opts.output)
-        att = AttemptRecord(attempt, proc.pid, t_start, newest_checkpoint=start_step)
+        att = AttemptRecord(attempt, proc.pid, t_start, newest_checkpoint=start_step, warm=warm)
         self._report = None
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
         self.state.trouble, self.state.trouble_detail = 0, {}
         newest = f" (newest checkpoint: step {start_step})" if start_step else ""
-        self.emit("info", f"attempt {attempt}: started pid {proc.pid}{newest}")
+        how = " in the warm spare" if warm else ""
+        self.emit("info", f"attempt {attempt}: started pid {proc.pid}{how}{newest}")
         fwd = self.signals
         fwd.preempt, fwd.stopping_since = None, None
         tree = TreeMonitor(proc.pid)
@@ -383,6 +386,7 @@ class Supervisor:
                 hang_kill(proc.pid, clock, att, hooks, files, self.emit)
             if att.start_step is None:  # where it began: said as soon as the child says it
                 self._hear(att, files)
+            self._tend_spare(attempt, t_start)
             if now - last_sample >= 1.0:
                 last_sample = now
                 self._hear(att, files)
@@ -394,6 +398,8 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
+        if reaped.wait(1.0) and died:
+            att.died = min(died[0], att.ended)
         self._hear(att, files)
         if relay_thread is not None:
             relay_thread.join(timeout=5.0)  # the rest of the output (orphans may keep the pipe open)
@@ -427,19 +433,100 @@ class Supervisor:
         end = AttemptEnd(proc.returncode, progressed, error, hung, stop, fwd.preempt, oom)
         return att, end
 
+    def _env(self, attempt: int, mtbf: float | None) -> dict[str, str]:
+        env = child_env(
+            dict(os.environ),
+            self.s,
+            self.opts.sources,
+            store_dir=self.dir,
+            run_dir=self.run_dir,
+            run_id=self.run_id,
+            attempt=attempt,
+            mtbf=mtbf,
+        )
+        if self.ram is not None:
+            env.update(self.ram.env())
+        if self.opts.output is not None:
+            env.setdefault("PYTHONUNBUFFERED", "1")  # a pipe would hold its lines back until exit
+        return env
+
+    def _spawn(self, attempt: int, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], bool]:
+        """The attempt's process: the spare, when one is ready for it, else a new interpreter."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            proc = spare.launch(env) if spare.wait_ready(SPARE_WAIT) else None
+            if proc is not None:
+                return proc, True
+            self.emit(
+                "warning",
+                f"attempt {attempt}: no warm restart ({spare.failure}); starting a new interpreter, "
+                "and so will later restarts",
+            )
+            spare.close()
+            self._warm = None  # what failed would fail again
+        pipe = subprocess.PIPE if self.opts.output is not None else None
+        proc = subprocess.Popen(
+            self.opts.command,
+            env=env,
+            start_new_session=True,
+            stdout=pipe,
+            stderr=subprocess.STDOUT if pipe else None,
+        )
+        return proc, False
+
+    def _tend_spare(self, attempt: int, t_start: float) -> None:
+        """Start the next attempt's spare once this one trains (not while it imports: the two
+        would compete for the same cores), and say once that it is ready, or why it failed."""
+        if self._warm is None:
+            return
+        if self.spare is None:
+            training = self.state.step is not None or time.time() - t_start > HOOKS_GRACE
+            if not training or len(self.record.attempts) >= self.s.max_restarts:
+                return
+            started = Spare.start(
+                self._warm, self._env(attempt + 1, self.record.mtbf), piped=self.opts.output is not None
+            )
+            if isinstance(started, str):
+                self.emit("warning", f"warm restart off: no spare interpreter ({started})")
+                self._warm = None
+            else:
+                self.spare = started
+            return
+        if self.spare.poll():
+            info = self.spare.info or {}
+            if not self._spare_said:
+                self._spare_said = True
+                self.emit(
+                    "info",
+                    f"warm restart: a spare interpreter (pid {info.get('ready')}) waits for the next "
+                    f"restart; torch and smartckpt imported in {float(info.get('imported', 0)):.1f} s, "
+                    f"{int(info.get('rss', 0)) / 2**20:.0f} MiB resident",
+                )
+        elif self.spare.failure is not None:
+            self.emit(
+                "warning", f"warm restart off: {self.spare.failure}; a restart starts a new interpreter"
+            )
+            self._drop_spare()
+            self._warm = None
+
+    def _drop_spare(self) -> None:
+        if self.spare is not None:
+            self.spare.close()
+            self.spare = None
+
     def _hear(self, att: AttemptRecord, files: RunDir) -> None:
         """What the child says it did (report.<pid>.json): into the record, and said once."""
         report = lead_report(files.reports())
         if report is None:
             return
         self._report = report
-        new = learn(att, report, self._script)
+        prev = self.record.attempts[-1] if self.record.attempts else None
+        new = learn(att, report, self._script, prev)
         self._trouble_detail(att)
         for level, text in trouble_lines(att, new):
             self.emit(level, text)
         if "start" not in new:
             return
-        prev = self.record.attempts[-1] if self.record.attempts else None
         if prev is not None and att.start_step is not None and prev.restart_from != att.start_step:
             # the restart began elsewhere than expected: what the dead attempt lost is counted again
             prev.restart_from = att.start_step
