@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.store import codec, ramarea
 from smartckpt_cli.store.directory import DIR_ID, StoreDir
 from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION, encode_manifest
@@ -119,10 +120,13 @@ def take(area: Path, store_id: str | None, newest_disk: int) -> Held | str | Non
     return Held(records, views, stack)
 
 
-def flash_persist(store: StoreDir, held: Held, *, level: int, workers: int = 2) -> tuple[int, str, float]:
+def flash_persist(
+    store: StoreDir, held: Held, *, level: int, workers: int = 2, nice: int = 0
+) -> tuple[int, str, float]:
     """Write ``held`` to ``store`` as a committed checkpoint (module docstring); returns (step,
     manifest, seconds). Raises :class:`FlashError` (one line) when a chunk fails its hash or the
-    store cannot take it; nothing half-written is ever committed."""
+    store cannot take it; nothing half-written is ever committed. ``nice``: the CPU priority of
+    the threads that hash and encode, lowered while a restarted process needs the cores."""
     t0 = time.perf_counter()
     state = store.journal.read()
     store_id = state.store_id
@@ -131,7 +135,12 @@ def flash_persist(store: StoreDir, held: Held, *, level: int, workers: int = 2) 
     cid = uuid.uuid4().hex[:12]
     step = held.step
     world = len(held.records)
-    with store.lock(GC_LOCK, shared=True), ThreadPoolExecutor(max(1, workers), "smartckpt-flash") as pool:
+    with (
+        store.lock(GC_LOCK, shared=True),
+        ThreadPoolExecutor(
+            max(1, workers), "smartckpt-flash", initializer=lower_priority, initargs=(nice,)
+        ) as pool,
+    ):
         written: list[tuple[str, bytes, int, int]] = []
         for rank, (rec, view) in enumerate(zip(held.records, held.views, strict=True)):
             entries, new, total = _write_blobs(store, rec, view, level, pool)

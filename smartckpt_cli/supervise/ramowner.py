@@ -35,6 +35,7 @@ from pathlib import Path
 
 from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.errors import SmartckptError
+from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.remote.backend import display_url
 from smartckpt_cli.remote.ship import ship
 from smartckpt_cli.store import ramarea
@@ -126,7 +127,11 @@ class RamOwner:
 
         def run() -> None:
             try:
-                done(self._write(got[0], got[1], level))
+                # beside the restarted process: its restore and first step come first (at
+                # normal priority it took the cores they needed, on a small machine)
+                nice = self.settings.background_nice if self.settings is not None else 10
+                lower_priority(nice)
+                done(self._write(got[0], got[1], level, nice))
             finally:
                 os.close(fd)  # drops the lock
 
@@ -161,9 +166,9 @@ class RamOwner:
             return None
         return store, held
 
-    def _write(self, store: StoreDir, held: flash.Held, level: int) -> int | None:
+    def _write(self, store: StoreDir, held: flash.Held, level: int, nice: int = 0) -> int | None:
         try:
-            step, manifest, seconds = flash.flash_persist(store, held, level=level)
+            step, manifest, seconds = flash.flash_persist(store, held, level=level, nice=nice)
         except (flash.FlashError, OSError, SmartckptError) as err:
             self.emit("warning", f"flash persist of the RAM snapshot of step {held.step} failed: {err}")
             return None
