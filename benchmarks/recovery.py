@@ -25,6 +25,7 @@ Set-ups, interleaved (kill 1 of every set-up, then kill 2, ...), medians over ``
   runs in the spare interpreter prepared while the first attempt trained. The kill comes at the
   first step past the chosen one at which the supervisor has said its spare is ready (a crash
   later than the first seconds of a run, which is when crashes cost anything);
+* ``warm-disk`` — a warm restart with the RAM tier off: the restart restores from disk;
 * ``torch`` — a plain loop: ``torch.save`` every N steps (tmp + rename), ``torch.load`` at start,
   restarted by the benchmark itself (no supervisor, no checks).
 
@@ -127,11 +128,11 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
     if setup == "torch":
         procs = [subprocess.Popen(cmd, env=dict(env, BENCH_ATTEMPT="0"), cwd=work)]
     else:
-        if setup == "disk":
+        if setup in ("disk", "warm-disk"):
             env["SMARTCKPT_RAM"] = "false"
         elif args.ram_every > 0:  # 0: the default cadence (2 % of the step time)
             env["SMARTCKPT_RAM_EVERY"] = str(args.ram_every)
-        env["SMARTCKPT_WARM_RESTART"] = "true" if setup == "warm" else "false"
+        env["SMARTCKPT_WARM_RESTART"] = "true" if setup.startswith("warm") else "false"
         run = [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", str(work / "ck"), "--every",
                str(args.every), "--", *cmd]  # fmt: skip
         log = (work / "run.log").open("w")
@@ -139,7 +140,7 @@ def one_kill(setup: str, args: argparse.Namespace, kill_at: int, work: Path) -> 
     deadline = time.time() + args.timeout
     while True:
         seen = _lines(progress)
-        ready = setup != "warm" or "waits for the next restart" in (work / "run.log").read_text()
+        ready = not setup.startswith("warm") or "waits for the next restart" in (work / "run.log").read_text()
         if seen and seen[-1][0] >= kill_at and ready:
             break
         if time.time() > deadline or procs[0].poll() is not None:
@@ -222,7 +223,7 @@ def main() -> int:
     p.add_argument(
         "--setups",
         default="disk,ram,torch",
-        help="any of disk, ram, warm, torch, dlrover (the anchor: bash benchmarks/install_anchors.sh first)",
+        help="any of disk, ram, warm, warm-disk, torch, dlrover (the anchor: bash benchmarks/install_anchors.sh first)",
     )
     p.add_argument(
         "--dlrover-mem-every", type=int, default=1, help="steps between DLRover's memory checkpoints"
