@@ -47,6 +47,7 @@ __all__ = ["RamOwner"]
 
 Emit = Callable[[str, str], None]
 FLASH_NICE = 19  # CPU priority of a flash persist running beside a restarted process
+FLASH_DEFER = 30.0  # seconds it waits at most for the restarted process's first step
 
 
 def _size(n: float) -> str:
@@ -108,12 +109,20 @@ class RamOwner:
         *,
         level: int,
         done: Callable[[int | None], None],
+        after: threading.Event | None = None,
     ) -> int | None:
         """Flash persist while the next attempt starts: the snapshot is taken (its slots locked)
         now and written on a thread, under ``flash.lock`` held from now on, so the next training
         process's first commit waits for this one (``engine/ramtier.py``, ``flash_wait``: the
         journal stays in step order). Returns the step being written (None: nothing to write);
-        ``done`` gets the step written, or None when it failed (said in one line)."""
+        ``done`` gets the step written, or None when it failed (said in one line).
+
+        ``after``: the write starts once it is set (the restarted process did its first step, or
+        ended) or after ``FLASH_DEFER`` seconds. Reading 1.2 GB out of shared memory and writing
+        it while the restarted process restores the same snapshot and allocates its state made
+        that restore and first step 2 s slower on 2 cores (measured: docs/recovery.md); the
+        snapshot is safe meanwhile in memory (its slot locked), and on disk the checkpoint before
+        it."""
         self.wait()
         got = self._take(store_dir, meta_dir, newest_disk)
         if got is None:
@@ -133,6 +142,8 @@ class RamOwner:
                 # priority (measured on 2 cores, at the training's background priority it
                 # doubled the first resumed step of a warm restart)
                 lower_priority(FLASH_NICE)
+                if after is not None:
+                    after.wait(FLASH_DEFER)
                 done(self._write(got[0], got[1], level, FLASH_NICE))
             finally:
                 os.close(fd)  # drops the lock

@@ -111,6 +111,9 @@ class Supervisor:
         self._warm: WarmPlan | None = None  # how a spare runs the command; None: restarts start cold
         self.spare: Spare | None = None  # the next attempt's interpreter, importing or ready
         self._spare_said = False
+        # set once the restarted process did its first step (or ended): a flash persist behind
+        # it starts writing then (ramowner.persist_behind)
+        self._flash_go = threading.Event()
 
     # ------------------------------------------------------------------ the run
 
@@ -138,6 +141,7 @@ class Supervisor:
         try:
             return self._loop()
         finally:
+            self._flash_go.set()
             self._drop_spare()
             if self.ram is not None:
                 self.ram.close()
@@ -239,12 +243,14 @@ class Supervisor:
             if self.ram is not None and verdict != "rollback":
                 # the dead attempt's RAM snapshot, when newer than the disk's, becomes a
                 # checkpoint while the next attempt starts (its first commit waits for it)
+                self._flash_go = threading.Event()
                 writing = self.ram.persist_behind(
                     self.dir,
                     self.s.meta_dir,
                     newest,
                     level=self.s.compression_level,
                     done=functools.partial(setattr, att, "flash_persisted"),
+                    after=self._flash_go,
                 )
                 newest = max(newest, writing or 0)
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
@@ -398,6 +404,7 @@ class Supervisor:
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
+        self._flash_go.set()  # a flash persist deferred for this attempt's first step: now
         if reaped.wait(1.0) and died:
             att.died = min(died[0], att.ended)
         self._hear(att, files)
@@ -522,6 +529,8 @@ class Supervisor:
         self._report = report
         prev = self.record.attempts[-1] if self.record.attempts else None
         new = learn(att, report, self._script, prev)
+        if report.get("first_step_done") is not None:
+            self._flash_go.set()
         self._trouble_detail(att)
         for level, text in trouble_lines(att, new):
             self.emit(level, text)
