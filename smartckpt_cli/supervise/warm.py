@@ -138,7 +138,6 @@ class Spare:
         self, plan: WarmPlan, proc: subprocess.Popen[bytes], sock: socket.socket, env: dict[str, str]
     ):
         self.plan, self.proc, self.sock, self.env = plan, proc, sock, env
-        self.started = time.time()
         self.info: dict[str, Any] | None = None  # its "ready" message: pid, seconds importing, memory
         self.failure: str | None = None
         self._buf = b""
