@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._output import child_lines
 from tests._state import assert_same_state
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def _cmd(device: str, mode: str, out: Path, *extra: str) -> list[str]:
 
 def _trace(text: str) -> dict[int, str]:
     out = {}
-    for ln in text.splitlines():
+    for ln in child_lines(text):
         if ln.startswith("step "):
             _, n, _, hexloss = ln.split()
             out[int(n)] = hexloss
@@ -161,7 +162,7 @@ def test_zero_code_under_smartckpt_run_sigkill_and_resume_is_bit_exact(
     assert f"start {start}" in res.stdout
     # Both attempts print their steps; every printed loss is the reference's, the resumed
     # attempt's included (steps start+1 .. TOTAL are printed twice up to kill_at).
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("step ") and len(ln.split()) == 4]
+    lines = [ln for ln in child_lines(res.stdout) if ln.startswith("step ") and len(ln.split()) == 4]
     for ln in lines:
         _, n, _, hexloss = ln.split()
         assert hexloss == ref_trace[int(n)], f"step {n}: {hexloss} != {ref_trace[int(n)]}"

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests._output import child_lines
 from tests._state import assert_same_state
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def _record(store: Path) -> dict[str, Any]:
 
 
 def _trace(out: str, word: str = "iter") -> dict[int, str]:
-    return {int(ln.split()[1]): ln.split()[-1] for ln in out.splitlines() if ln.startswith(f"{word} ")}
+    return {int(ln.split()[1]): ln.split()[3] for ln in child_lines(out) if ln.startswith(f"{word} ")}
 
 
 def _reference(
