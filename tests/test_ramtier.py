@@ -164,6 +164,38 @@ def test_a_record_reads_back_and_every_chunk_verifies(tmp_path):
         assert ramarea.verify(view, rec) == "entry model/w chunk 1 (bytes 512..1024 of slot0) fails its hash"
 
 
+def test_verify_copies_every_chunk_to_its_place_and_names_the_first_bad_one_on_many_threads(tmp_path):
+    rank = tmp_path / "rank0"
+    rank.mkdir()
+    data = os.urandom(64 * 1000 + 100)  # two entries, 24 chunks of 5 000 bytes and a short one
+    (rank / "slot0").write_bytes(data)
+    a, b = memoryview(data)[:64000], memoryview(data)[64000:]
+    rec = {
+        "slot": "slot0",
+        "entries": {
+            "model/a": {"offset": 0, "chunks": ramarea.chunk_hashes(a, 5000)},
+            "model/b": {"offset": 64000, "chunks": ramarea.chunk_hashes(b, 5000)},
+        },
+    }
+    for workers in (1, 4):
+        got = {"model/a": bytearray(64000), "model/b": bytearray(100)}
+
+        def copy(key: str, at: int, chunk: memoryview, got=got) -> None:
+            got[key][at : at + len(chunk)] = chunk
+
+        with ramarea.reading(rank, "slot0") as view:
+            assert ramarea.verify(view, rec, copy, workers=workers) is None
+        assert bytes(got["model/a"]) == bytes(a) and bytes(got["model/b"]) == bytes(b)
+    with open(rank / "slot0", "r+b") as f:  # chunks 3 and 9 of model/a both damaged
+        for at in (15001, 45001):
+            f.seek(at)
+            f.write(bytes([data[at] ^ 0xFF]))
+    with ramarea.reading(rank, "slot0") as view:
+        for workers in (1, 4):
+            said = ramarea.verify(view, rec, lambda *_: None, workers=workers)
+            assert said == "entry model/a chunk 3 (bytes 15000..20000 of slot0) fails its hash"
+
+
 @pytest.mark.parametrize(
     ("change", "said"),
     [

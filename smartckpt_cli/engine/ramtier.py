@@ -71,6 +71,8 @@ class RamTier:
         self.rank, self.world = rank, world
         self.every = settings.ram_every
         self.chunk_bytes = settings.chunk_mb << 20
+        # a restore's copy out of the slot is memory-bound: no more threads than cores
+        self.workers = min(settings.n_workers, os.cpu_count() or 1)
         self.active = True
         self.slots: list[ramarea.Slot | None] = [None, None]
         self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
@@ -333,11 +335,21 @@ class RamTier:
         return rec
 
     def load(self, rec: dict[str, Any]) -> Loaded | None:
-        """Verify every chunk of ``rec``'s slot, then the tensors, read in place (copied out only
-        where an object would keep them: see :func:`_tensors`); None with one line when a chunk
-        fails its hash."""
+        """``rec``'s snapshot as tensors of their own memory, every chunk verified as it is copied
+        out (no decode); None with one line when a chunk fails its hash.
+
+        Copied, not views of the slot: the slot is refilled by later snapshots, and an
+        optimizer's ``load_state_dict`` keeps the tensors it is given (same dtype and device)."""
+        tensors = {
+            key: torch.empty(e["shape"], dtype=lookup(e["dtype"])) for key, e in rec["entries"].items()
+        }
+        flat = {key: byte_view(t) for key, t in tensors.items()}
+
+        def copy(key: str, at: int, chunk: memoryview) -> None:
+            flat[key][at : at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+
         with ramarea.reading(self.dir, rec["slot"]) as view:
-            bad = ramarea.verify(view, rec)
+            bad = ramarea.verify(view, rec, copy, workers=self.workers)
             if bad is not None:
                 logger.warning(
                     "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk",
@@ -345,7 +357,6 @@ class RamTier:
                     bad,
                 )
                 return None
-            tensors = _tensors(view, rec)
         self.last = rec
         lineage = (rec.get("meta") or {}).get("lineage")
         record = CheckpointRecord(
@@ -374,20 +385,6 @@ class RamTier:
             "restored_from": "ram",
         }
         return Loaded(record, manifest, tensors, set())
-
-
-def _tensors(view: memoryview, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every entry as a tensor of its own memory: the slot is refilled by later snapshots, and an
-    optimizer's ``load_state_dict`` keeps the tensors it is given (same dtype and device: no copy),
-    so each is copied once out of the shared memory; no decode, no hash beyond :func:`verify`'s."""
-    out: dict[str, torch.Tensor] = {}
-    for key, e in rec["entries"].items():
-        t = torch.empty(e["shape"], dtype=lookup(e["dtype"]))
-        n = int(e["nbytes"])
-        if n:
-            byte_view(t)[:] = np.frombuffer(view, dtype=np.uint8, count=n, offset=int(e["offset"]))
-        out[key] = t
-    return out
 
 
 def _gb(n: float) -> str:

@@ -29,7 +29,8 @@ import fcntl
 import json
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -268,13 +269,37 @@ def read_record(rank_dir: Path) -> dict[str, Any] | None:
     return rec
 
 
-def verify(view: memoryview, rec: dict[str, Any]) -> str | None:
+def verify(
+    view: memoryview,
+    rec: dict[str, Any],
+    copy: Callable[[str, int, memoryview], None] | None = None,
+    workers: int = 1,
+) -> str | None:
     """None when every chunk of every entry hashes to what the record says; else the first
-    failure, in words (the entry, the chunk, its place in the slot)."""
+    failure, in words (the entry, the chunk, its place in the slot).
+
+    ``copy(key, at, chunk)`` gets each chunk (its place in the entry, its bytes) on the thread
+    that hashed it, right after (a restore copies out of the slot in the same pass: the chunk
+    is read once); what it copied means nothing unless the whole returns None. ``workers``
+    threads share the chunks: a restore's time is the page faults of the slot's mapping and of
+    the fresh memory it fills, and the hash and the copy run without the GIL."""
+    tasks: list[tuple[str, int, int, int, str, int]] = []
     for key, e in rec["entries"].items():
-        pos = int(e["offset"])
+        pos, at = int(e["offset"]), 0
         for n, (length, want) in enumerate(e["chunks"]):
-            if codec.raw_hash(view[pos : pos + length]) != want:
-                return f"entry {key} chunk {n} (bytes {pos}..{pos + length} of {rec['slot']}) fails its hash"
-            pos += length
-    return None
+            tasks.append((key, n, pos, at, want, length))
+            pos, at = pos + length, at + length
+
+    def one(task: tuple[str, int, int, int, str, int]) -> str | None:
+        key, n, pos, at, want, length = task
+        chunk = view[pos : pos + length]
+        if codec.raw_hash(chunk) != want:
+            return f"entry {key} chunk {n} (bytes {pos}..{pos + length} of {rec['slot']}) fails its hash"
+        if copy is not None:
+            copy(key, at, chunk)
+        return None
+
+    if workers <= 1 or len(tasks) <= 1:
+        return next((bad for bad in map(one, tasks) if bad is not None), None)
+    with ThreadPoolExecutor(min(workers, len(tasks)), thread_name_prefix="smartckpt-ram-read") as pool:
+        return next((bad for bad in pool.map(one, tasks) if bad is not None), None)
