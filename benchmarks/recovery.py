@@ -34,8 +34,9 @@ Set-ups, interleaved (kill 1 of every set-up, then kill 2, ...), medians over ``
   ``--dlrover-mem-every`` steps (default 1, its best case), restarted by DLRover's own agent;
   install it first with ``bash benchmarks/install_anchors.sh`` (into ``.anchors/dlrover``).
 
-The restart backoff is 0 for every ``smartckpt run`` set-up (``SMARTCKPT_RESTART_BACKOFF=0``;
-the default waits 2 s before a first restart).
+The restart backoff is 0 for every ``smartckpt run`` set-up (``SMARTCKPT_RESTART_BACKOFF=0``):
+what the default does after an attempt that committed past its start (a restart at once), here
+also after one killed before its first commit.
 
     python benchmarks/recovery.py --params 4000000 --kills 5 --json recovery_small.json
     python benchmarks/recovery.py --params 100000000 --kills 3 --json recovery_100m.json

@@ -69,7 +69,7 @@ class Settings:
     hang_timeout: float | None = None  # seconds without a step; None = learned from step times
     requeue: bool = False  # after a preemption signal (USR1/USR2): scontrol requeue the SLURM job
     grace_period: float = 30.0  # seconds the child gets to save and exit after SIGTERM/SIGINT
-    restart_backoff: float = 2.0  # seconds before the first restart; doubles per failure in a row
+    restart_backoff: float = 2.0  # before restarting an attempt that got nowhere; doubles per one in a row
     crash_loop: int = 3  # failed attempts from the same checkpoint before rolling back once
     no_restart_on: str = ""  # regexes (separated by ';;') for errors that must not be restarted
     log_every: float = 30.0  # seconds between status lines when the output is not a terminal

@@ -165,6 +165,10 @@ def test_crash_loop_rolls_back_once_then_stops(tmp_path, child_env):
     rec = _record(tmp_path / "ck")
     assert rec["outcome"] == "crash-loop" and len(rec["attempts"]) == 5
     assert [a["start_step"] for a in rec["attempts"]] == [0, 10, 10, 10, 5]
+    # the first attempt got to checkpoint 10: restarted at once; then 0.1 s, doubling per attempt
+    # that got nowhere (the rollback to 5 does not reset it)
+    assert [a["delay"] for a in rec["attempts"][:4]] == [0.0, 0.1, 0.2, 0.4], rec["attempts"]
+    assert "restarting from step 10 now" in out and "restarting from step 10 in 0.1 s" in out
     journal = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck")
     raw = [json.loads(line) for line in journal.path.read_text().splitlines()]
     rollbacks = [e for e in raw if e["event"] == "rollback"]

@@ -177,8 +177,8 @@ def _short(text: str, limit: int = 200) -> str:
 def backoff(
     failures_in_a_row: int, base: float, *, factor: float = BACKOFF_FACTOR, cap: float = BACKOFF_CAP
 ) -> float:
-    """Seconds to wait before a restart after ``failures_in_a_row`` (>= 1) failures without
-    progress in between: base, 2·base, 4·base, ... capped."""
+    """Seconds to wait before a restart after ``failures_in_a_row`` failures without progress
+    in between: none after an attempt that progressed (0), then base, 2·base, 4·base, ... capped."""
     if failures_in_a_row < 1 or base <= 0:
         return 0.0
     return float(min(cap, base * factor ** (failures_in_a_row - 1)))

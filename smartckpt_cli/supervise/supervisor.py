@@ -227,7 +227,10 @@ class Supervisor:
             # restart
             max_committed = att.max_committed if att.max_committed is not None else att.began
             verdict = self.crash.record(att.began, max_committed)
-            failures_in_row = 1 if max_committed > att.began else failures_in_row + 1
+            # Failures in a row without progress set the backoff: an attempt that committed past
+            # its start restarts at once (its crash says nothing of the next attempt's; every
+            # second of waiting is recovery time), one that got nowhere waits, longer each time.
+            failures_in_row = 0 if max_committed > att.began else failures_in_row + 1
             if verdict == "stop":
                 return self._finish(
                     "crash-loop",
@@ -253,6 +256,8 @@ class Supervisor:
                     after=self._flash_go,
                 )
                 newest = max(newest, writing or 0)
+                if writing is not None and writing > att.began:
+                    failures_in_row = 0  # its RAM snapshot becomes a checkpoint past its start
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
             # not restore through start_step() (corrected once the next one reports).
             att.restart_from = predicted_start(self._report, newest)
@@ -267,10 +272,11 @@ class Supervisor:
             att.delay = backoff(failures_in_row, self.s.restart_backoff)
             lost = f"{att.steps_lost} step(s), " if att.steps_lost is not None else ""
             at = f" at step {att.max_step}" if att.max_step is not None else ""
+            when = f"in {att.delay:.1f} s" if att.delay > 0 else "now"
             self.emit(
                 "warning",
                 f"attempt {att.attempt} {outcome.cause}{at}; lost {lost}{att.seconds_lost or 0:.1f} s of work; "
-                f"restarting from step {att.restart_from} in {att.delay:.1f} s "
+                f"restarting from step {att.restart_from} {when} "
                 f"(restart {self.record.restarts + 1} of at most {self.s.max_restarts})",
             )
             self._save_record()
