@@ -302,11 +302,14 @@ def test_summary_lines_never_show_a_raw_none() -> None:
     from smartckpt_cli.cli.run import _attempt_line
 
     died = AttemptRecord(0, 1, 0.0, category="no-progress", cause="failed before its first training step")
-    assert "None" not in _attempt_line(died) and "before its first step" in _attempt_line(died)
+    assert "None" not in _attempt_line(died, False) and "before its first step" in _attempt_line(died, False)
     lost = AttemptRecord(
         0, 1, 0.0, start_step=0, max_step=9, restart_from=5, category="signal", cause="killed by SIGKILL"
     )
-    assert "None" not in (text := _attempt_line(lost)) and "an unknown number of steps" in text
+    assert "None" not in (text := _attempt_line(lost, True)) and "an unknown number of steps" in text
+    assert "(the next attempt began at step 5)" in text
+    # the last attempt of a run that gave up: nothing began after it
+    assert "(no attempt followed; a restart would resume at step 5)" in _attempt_line(lost, False)
 
 
 def test_a_status_line_never_lands_on_a_progress_bar_line(tmp_path: Path) -> None:

@@ -399,6 +399,8 @@ def test_yaml_settings_gave_up_after_max_restarts(tmp_path, child_env):
     assert rc == 3, out
     assert "giving up after 0 restart(s) (max_restarts); last: killed by SIGKILL" in out
     rec = _record(tmp_path / "ck")
+    resume = f"no attempt followed; a restart would resume at step {rec['attempts'][0]['restart_from']}"
+    assert resume in out and "next attempt began" not in out
     assert rec["outcome"] == "gave-up"
     steps = [r.step for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
     assert steps == [5, 10] and rec["checkpoints_taken"] == 2  # every: 5 from the YAML file

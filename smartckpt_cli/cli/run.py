@@ -206,8 +206,8 @@ def _summary(sup: Supervisor, console: Console) -> None:
         or rec.outcome != "finished"
         or any(a.began_again or a.resume_check for a in rec.attempts)
     ):
-        for a in rec.attempts:
-            console.print(f"smartckpt:   {_attempt_line(a)}", markup=False)
+        for i, a in enumerate(rec.attempts):
+            console.print(f"smartckpt:   {_attempt_line(a, i + 1 < len(rec.attempts))}", markup=False)
     if not rec.checkpoints_taken and any(a.no_optimizer for a in rec.attempts):
         console.print(
             "smartckpt:   no checkpoint: the training never stepped a torch.optim optimizer (zero-code "
@@ -217,8 +217,8 @@ def _summary(sup: Supervisor, console: Console) -> None:
     console.print(f"smartckpt: run record: {rec.path()}", markup=False)
 
 
-def _attempt_line(a: AttemptRecord) -> str:
-    """One attempt, in words (never a raw None)."""
+def _attempt_line(a: AttemptRecord, followed: bool) -> str:
+    """One attempt, in words (never a raw None); ``followed``: another attempt came after it."""
     if a.start_step is None:
         began = "began at an unreported step"
     elif a.restored_from is not None:
@@ -232,9 +232,8 @@ def _attempt_line(a: AttemptRecord) -> str:
     line = f"attempt {a.attempt}: {began}; {end}"
     if a.restart_from is not None:
         lost = f"{a.steps_lost} step(s)" if a.steps_lost is not None else "an unknown number of steps"
-        line += (
-            f"; lost {lost}, {a.seconds_lost or 0:.1f} s (the next attempt began at step {a.restart_from})"
-        )
+        nxt = "the next attempt began" if followed else "no attempt followed; a restart would resume"
+        line += f"; lost {lost}, {a.seconds_lost or 0:.1f} s ({nxt} at step {a.restart_from})"
     check = a.resume_check
     if check:
         line += f"; resume check at step {check.get('step')}: {check.get('verdict')}"
