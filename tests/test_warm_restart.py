@@ -31,13 +31,18 @@ import json, os, signal, sys, time
 import torch
 from smartckpt_cli.agent.runtime import start_step
 
+def _started():  # this process's start, seconds since boot (CLOCK_BOOTTIME, 10 ms ticks)
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
 out = os.environ["OUT"]
 attempt = int(os.environ.get("SMARTCKPT_ATTEMPT", "-1"))
 with open(os.path.join(out, f"seen.{attempt}.json"), "w") as f:
     json.dump({"name": __name__, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
                "orig_argv": sys.orig_argv[1:], "cwd": os.getcwd(), "pid": os.getpid(),
                "spec": getattr(__spec__, "name", None), "main_file": getattr(sys.modules["__main__"], "__file__", None),
-               "hooks": bool(getattr(sys, "_smartckpt_hooks", {}).get("active"))}, f)
+               "hooks": bool(getattr(sys, "_smartckpt_hooks", {}).get("active")),
+               "created": _started()}, f)
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -48,7 +53,12 @@ for step in range(begin, 60):
     loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
+    if step == begin:  # a first step of 1 s: the next spare must not start before it ends
+        time.sleep(1.0)
     opt.step()
+    if step == begin:
+        with open(os.path.join(out, f"stepped.{attempt}"), "w") as f:
+            f.write(repr(time.clock_gettime(time.CLOCK_BOOTTIME)))
     if attempt == 0 and step == 20:
         while not os.path.exists(os.path.join(out, "kill-now")):
             time.sleep(0.05)
@@ -166,6 +176,12 @@ def test_a_crash_restarts_in_the_spare_which_runs_the_script_as_a_new_interprete
     assert {"detection", "relaunch", "imports", "to_restore", "restore", "start_to_first_step"} <= set(phases)
     assert 0 <= phases["detection"] < 5 and phases["imports"] <= phases["to_restore"]
     assert first["died"] is not None and first["died"] <= first["ended"]
+    # each spare started after the attempt before it trained its first step, not during its
+    # imports, restore or first step (it would compete for the cores)
+    third_seen = json.loads((tmp_path / "seen.2.json").read_text())
+    for spare_seen, before in ((warm, 0), (third_seen, 1)):
+        stepped = float((tmp_path / f"stepped.{before}").read_text())
+        assert spare_seen["created"] >= stepped - 0.02, (before, spare_seen["created"], stepped)
     # the warm attempt's failure reads as the script's own
     assert second["error"]["type"] == "RuntimeError"
     assert "agent/warm.py" not in second["error"]["traceback"] and "runpy" not in second["error"]["traceback"]

@@ -398,7 +398,7 @@ class Supervisor:
                 hang_kill(proc.pid, clock, att, hooks, files, self.emit)
             if att.start_step is None:  # where it began: said as soon as the child says it
                 self._hear(att, files)
-            self._tend_spare(attempt, t_start)
+            self._tend_spare(att, t_start)
             if now - last_sample >= 1.0:
                 last_sample = now
                 self._hear(att, files)
@@ -487,17 +487,22 @@ class Supervisor:
         )
         return proc, False
 
-    def _tend_spare(self, attempt: int, t_start: float) -> None:
-        """Start the next attempt's spare once this one trains (not while it imports: the two
-        would compete for the same cores), and say once that it is ready, or why it failed."""
+    def _tend_spare(self, att: AttemptRecord, t_start: float) -> None:
+        """Start the next attempt's spare once this one did its first step, and say once that it
+        is ready, or why it failed. Not before: its imports would compete for the cores with this
+        one's imports, restore and first step (a heartbeat is no sign of training: the restore
+        beats too; on 2 cores a spare started then made a restore from RAM and its first step
+        1.2 s slower, docs/recovery.md)."""
         if self._warm is None:
             return
         if self.spare is None:
-            training = self.state.step is not None or time.time() - t_start > HOOKS_GRACE
+            began, step = att.start_step, self.state.step
+            stepped = began is not None and step is not None and step > began
+            training = stepped or time.time() - t_start > HOOKS_GRACE
             if not training or len(self.record.attempts) >= self.s.max_restarts:
                 return
             started = Spare.start(
-                self._warm, self._env(attempt + 1, self.record.mtbf), piped=self.opts.output is not None
+                self._warm, self._env(att.attempt + 1, self.record.mtbf), piped=self.opts.output is not None
             )
             if isinstance(started, str):
                 self.emit("warning", f"warm restart off: no spare interpreter ({started})")
