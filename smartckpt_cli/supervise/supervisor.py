@@ -491,8 +491,8 @@ class Supervisor:
         """Start the next attempt's spare once this one did its first step, and say once that it
         is ready, or why it failed. Not before: its imports would compete for the cores with this
         one's imports, restore and first step (a heartbeat is no sign of training: the restore
-        beats too; on 2 cores a spare started then made a restore from RAM and its first step
-        1.2 s slower, docs/recovery.md)."""
+        beats too; on 2 cores a spare started then slowed a warm restart's restore and first
+        resumed step, docs/recovery.md)."""
         if self._warm is None:
             return
         if self.spare is None:
