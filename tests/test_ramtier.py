@@ -237,6 +237,14 @@ def test_sizes_and_settings():
     assert s.ram_every == 1.5 and s.ram_budget == "2G" and "ram_every" in sources
 
 
+@pytest.mark.parametrize(
+    ("value", "ranks"), [("4", 4), (" 2 ", 2), ("0", 1), ("-3", 1), ("eight", 1), ("", 1)]
+)
+def test_local_ranks_take_a_positive_count_and_nothing_else(monkeypatch, value, ranks):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert ramarea.local_ranks() == ranks
+
+
 def test_restart_phases_come_from_the_childs_wall_times():
     assert restart_phases(100.0, {"restore_began": 102.0}) is None
     got = restart_phases(100.0, {"restore_began": 102.0, "restore_done": 102.5, "first_step_done": 103.0})

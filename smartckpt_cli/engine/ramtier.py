@@ -73,9 +73,7 @@ class RamTier:
         self.chunk_bytes = settings.chunk_mb << 20
         # a restore's copy out of the slot is memory-bound: no more threads than this rank's
         # share of the cores (the node's ranks restore at the same time)
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        share = (os.cpu_count() or 1) // (int(local) if local.isdigit() and int(local) > 0 else 1)
-        self.workers = max(1, min(settings.n_workers, share))
+        self.workers = max(1, min(settings.n_workers, (os.cpu_count() or 1) // ramarea.local_ranks()))
         self.active = True
         self.slots: list[ramarea.Slot | None] = [None, None]
         self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]

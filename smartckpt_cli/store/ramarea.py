@@ -56,6 +56,7 @@ __all__ = [
     "default_budget",
     "flash_wait",
     "layout",
+    "local_ranks",
     "read_record",
     "reading",
     "room",
@@ -82,12 +83,18 @@ def layout(sizes: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
     return offsets, max(pos, ALIGN)
 
 
-def default_budget(local_ranks: int | None = None) -> int:
-    """Half the memory available now, shared by the node's ranks (``LOCAL_WORLD_SIZE``)."""
+def local_ranks() -> int:
+    """The ranks on this node (``LOCAL_WORLD_SIZE``, as torchrun sets it); 1 when unset or not a
+    positive number."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def default_budget(ranks: int | None = None) -> int:
+    """Half the memory available now, shared by the node's ranks (:func:`local_ranks`)."""
     import psutil
 
-    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return int(psutil.virtual_memory().available * 0.5 / max(1, ranks))
+    return int(psutil.virtual_memory().available * 0.5 / max(1, ranks or local_ranks()))
 
 
 def flash_wait(area: str | os.PathLike[str]) -> None:

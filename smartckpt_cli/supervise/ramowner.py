@@ -77,8 +77,7 @@ class RamOwner:
         except (OSError, InvalidName) as err:
             emit("warning", f"RAM tier off: cannot use {base} ({err}); restarts restore from disk")
             return None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        budget = parse_size(settings.ram_budget) if settings.ram_budget else ramarea.default_budget(local)
+        budget = parse_size(settings.ram_budget) if settings.ram_budget else ramarea.default_budget()
         every = (
             f"every {settings.ram_every:g} s"
             if settings.ram_every
