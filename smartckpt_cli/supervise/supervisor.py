@@ -227,10 +227,7 @@ class Supervisor:
             # restart
             max_committed = att.max_committed if att.max_committed is not None else att.began
             verdict = self.crash.record(att.began, max_committed)
-            # Failures in a row without progress set the backoff: an attempt that committed past
-            # its start restarts at once (its crash says nothing of the next attempt's; every
-            # second of waiting is recovery time), one that got nowhere waits, longer each time.
-            failures_in_row = 0 if max_committed > att.began else failures_in_row + 1
+            progressed = max_committed > att.began
             if verdict == "stop":
                 return self._finish(
                     "crash-loop",
@@ -256,8 +253,7 @@ class Supervisor:
                     after=self._flash_go,
                 )
                 newest = max(newest, writing or 0)
-                if writing is not None and writing > att.began:
-                    failures_in_row = 0  # its RAM snapshot becomes a checkpoint past its start
+                progressed = progressed or (writing or 0) > att.began  # its snapshot: a checkpoint
             # Where the next attempt begins: the newest checkpoint, or step 0 when this one did
             # not restore through start_step() (corrected once the next one reports).
             att.restart_from = predicted_start(self._report, newest)
@@ -269,6 +265,10 @@ class Supervisor:
                     f"giving up after {self.record.restarts} restart(s) (max_restarts); last: {outcome.cause}",
                     "error",
                 )
+            # Failures in a row without progress set the backoff: an attempt that committed past
+            # its start restarts at once (its crash says nothing of the next attempt's; every
+            # second of waiting is recovery time), one that got nowhere waits, longer each time.
+            failures_in_row = 0 if progressed else failures_in_row + 1
             att.delay = backoff(failures_in_row, self.s.restart_backoff)
             lost = f"{att.steps_lost} step(s), " if att.steps_lost is not None else ""
             at = f" at step {att.max_step}" if att.max_step is not None else ""
