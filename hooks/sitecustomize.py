@@ -149,6 +149,8 @@ def _install_error_hooks(run_dir: str, proto: Any) -> None:
             _write_error(run_dir, proto, exc_type, exc, tb, None)
         except Exception:
             pass
+        if _stopped_by_signal(exc):
+            return  # a stop the user asked for: the supervisor says it in one line
         previous(exc_type, exc, tb)
 
     previous_thread = threading.excepthook
@@ -166,6 +168,17 @@ def _install_error_hooks(run_dir: str, proto: Any) -> None:
 
     sys.excepthook = excepthook
     threading.excepthook = thread_excepthook
+
+
+def _stopped_by_signal(exc: BaseException) -> bool:
+    """torchrun's agent ends with ``SignalException`` when SIGINT or SIGTERM (Ctrl-C, or the
+    supervisor passing one on) stopped it after it passed the signal to its workers: a stop, not
+    an error, so no traceback (its workers saved and said so)."""
+    import signal
+
+    if type(exc).__name__ != "SignalException" or not type(exc).__module__.startswith("torch.distributed"):
+        return False
+    return getattr(exc, "sigval", None) in (signal.SIGINT, signal.SIGTERM)
 
 
 def _install_stack_dump(run_dir: str, proto: Any) -> None:

@@ -58,7 +58,7 @@ class Settings:
     memory_high: float = 0.9  # fraction of the memory ceiling that saves at a new high (0: memory signal off)
     eval_every: int | None = None  # steps between signal evaluations; None: 10, more when steps are short
     loss_window: int = 5  # losses in the median filter
-    preempt_signals: str = "TERM,USR1,USR2"  # take a blocking save at the next step, then...
+    preempt_signals: str = "TERM,INT,USR1,USR2"  # take a blocking save at the next step, then...
     usr_continue: bool = False  # ...exit (TERM always), or go on training after USR1/USR2
     inflight: str = "wait"  # wait | skip: what a trigger does while a save is running
     distributed: str = "auto"  # auto: coordinate ranks when torch.distributed runs | off

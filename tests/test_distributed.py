@@ -295,3 +295,41 @@ def test_distributed_setting_is_checked():
     assert load_settings(None, {"distributed": "off"})[0].distributed == "off"
     with pytest.raises(ConfigError, match="distributed must be 'auto' or 'off'"):
         load_settings(None, {"distributed": "yes"})
+
+
+def test_ctrl_c_under_smartckpt_run_with_torchrun_saves_every_rank_and_stops_quietly(
+    tmp_path, child_env_module
+):
+    """Ctrl-C in a terminal (SIGINT to the foreground process group) reaches ``smartckpt run``,
+    which passes it to torchrun, which passes it to its workers: every rank takes the blocking
+    save of one step, the run ends with 130, no traceback (not torchrun's either), and the summary
+    counts no step lost."""
+    import os
+    import signal
+
+    args = ["--dir", "ck", "--every", "1000", "--", *TORCHRUN, "2", str(SCRIPT), "--zero-code",
+            "--total", "400", "--step-time", "0.05"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", *args],
+        cwd=tmp_path, env=child_env_module, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("rank 1 step 20 "):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert "Traceback" not in out and "SignalException" not in out, out
+    commits = [e for e in _events(tmp_path / "ck" / "journal.jsonl") if e["event"] == "commit"]
+    assert len(commits) == 1 and commits[0]["reason"] == "preemption (SIGINT)", commits
+    assert commits[0]["world_size"] == 2 and commits[0]["step"] >= 20
+    (path,) = (tmp_path / "ck" / "runs").glob("*.json")
+    rec = json.loads(path.read_text())
+    assert rec["outcome"] == "stopped" and rec["exit_code"] == 130, rec
+    assert rec["attempts"][0]["restart_from"] == commits[0]["step"] and rec["steps_lost"] == 0, rec
+    assert "no heartbeat from the child yet" not in out, out

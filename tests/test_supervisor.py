@@ -415,3 +415,75 @@ def test_no_restart_on_pattern_matches_the_error_file(tmp_path, child_env):
     assert "RuntimeError: injected failure at step 9 matches no_restart_on pattern" in out
     rec = _record(tmp_path / "ck")
     assert len(rec["attempts"]) == 1 and rec["attempts"][0]["error"]["type"] == "RuntimeError"
+
+
+def _ctrl_c(tmp_path: Path, env: dict[str, str], args: list[str], at_step: int) -> tuple[int, str]:
+    """``smartckpt run`` in a session of its own, as a shell runs a foreground job; when the child
+    prints ``step {at_step}``, SIGINT goes to the whole process group, as a terminal's Ctrl-C does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(f"step {at_step} "):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=90)
+    return proc.returncode, "".join(lines) + rest
+
+
+@pytest.mark.parametrize("script", ["zero-code", "api"])
+def test_ctrl_c_saves_at_the_next_step_without_a_traceback_and_resumes_bit_exact(
+    tmp_path, child_env, reference, script
+):
+    """Ctrl-C in a terminal: SIGINT reaches the supervisor and the child alike. The child takes a
+    blocking checkpoint at its next step and ends by SIGINT without a traceback; the summary
+    counts what was really lost (nothing: the checkpoint is the step it reached); the rerun
+    restores that checkpoint and ends where an uninterrupted run ends."""
+    path = ZERO_CODE if script == "zero-code" else SCRIPT
+    ref = reference
+    if script == "zero-code":
+        subprocess.run(
+            [sys.executable, str(ZERO_CODE), "--total", str(TOTAL), "--out", str(tmp_path / "ref.pt")],
+            env=child_env, check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    args = ["--dir", "ck", "--every", "1000", str(path), "--total", str(TOTAL), "--step-time", "0.1",
+            "--out", "final.pt"]  # fmt: skip
+    rc, out = _ctrl_c(tmp_path, _env(child_env), args, at_step=12)
+    assert rc == 128 + signal.SIGINT, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    (ckpt,) = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records
+    assert ckpt.reason == "preemption (SIGINT)" and ckpt.step >= 12, out
+    rec = _record(tmp_path / "ck")
+    (att,) = rec["attempts"]
+    assert rec["outcome"] == "stopped" and att["max_step"] == ckpt.step, rec
+    assert att["restart_from"] == ckpt.step and att["steps_lost"] == 0 and rec["steps_lost"] == 0, rec
+    assert f"SIGINT: checkpoint of step {ckpt.step} committed, stopping" in out
+    assert "0 step(s) and" in out and f"a restart would resume at step {ckpt.step}" in out
+    assert not (tmp_path / "final.pt").exists()
+    rc, out = _run([*args[:-4], "--out", "final.pt"], tmp_path, _env(child_env))
+    assert rc == 0, out
+    assert f"start {ckpt.step}" in out
+    assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref)
+
+
+def test_a_stop_whose_save_never_came_counts_the_steps_it_lost(tmp_path, child_env):
+    """SIGINT to a child that does not save for it (INT taken off ``preempt_signals``, the RAM tier
+    off): the run stops, and the summary says how many steps a rerun trains again, from the
+    newest checkpoint to the step the child had reached."""
+    env = _env(child_env, SMARTCKPT_PREEMPT_SIGNALS="TERM", SMARTCKPT_RAM="0")
+    args = ["--dir", "ck", "--every", "5", str(SCRIPT), "--total", str(TOTAL), "--step-time", "0.1"]
+    rc, out = _ctrl_c(tmp_path, env, args, at_step=13)
+    assert rc == 128 + signal.SIGINT, out
+    steps = [r.step for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
+    rec = _record(tmp_path / "ck")
+    (att,) = rec["attempts"]
+    assert steps and att["restart_from"] == max(steps) == 10, (steps, rec)
+    assert att["steps_lost"] == att["max_step"] - 10 >= 3 and rec["steps_lost"] == att["steps_lost"], rec
+    assert f"{att['steps_lost']} step(s) and" in out
+    assert f"lost {att['steps_lost']} step(s)" in out and "a restart would resume at step 10" in out

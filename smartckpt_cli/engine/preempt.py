@@ -1,11 +1,16 @@
-"""Preemption: SIGTERM (SLURM's warning before SIGKILL) and SIGUSR1/SIGUSR2 make the next step
-boundary take a blocking save; then the process exits, or, for USR signals with
-``usr_continue``, goes on training.
+"""Preemption: SIGTERM (SLURM's warning before SIGKILL), SIGINT (Ctrl-C in a terminal) and
+SIGUSR1/SIGUSR2 make the next step boundary take a blocking save; then the process exits, or, for
+USR signals with ``usr_continue``, goes on training.
 
 The handler only records the signal: a save cannot run inside a signal handler (the training
 thread may be in the middle of an optimizer step). After the save, the signal is handed to
 whatever handler was installed before smartckpt's (the user's, Lightning's, or the default one,
-which terminates the process with that signal), so smartckpt never swallows it.
+which terminates the process with that signal), so smartckpt never swallows it. Python's own
+SIGINT handler raises ``KeyboardInterrupt``: that is raised from the step that saved, so a
+framework's ``except KeyboardInterrupt`` still runs, and when nothing catches it the process
+ends by SIGINT (exit 130) with the one line that said the checkpoint, not a traceback: the checkpoint is taken, there
+is nothing to debug. A second TERM or INT before the save is handed on at once (a user who
+presses Ctrl-C twice does not want to wait for the next step).
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
+from types import TracebackType
 from typing import Any
 
-__all__ = ["PreemptionWatch"]
+__all__ = ["PreemptionWatch", "checkpointed_interrupt"]
 
 logger = logging.getLogger(__name__)
+
+_STOP = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionWatch:
@@ -26,6 +35,7 @@ class PreemptionWatch:
         self.signals = [getattr(signal, f"SIG{n}") for n in names]
         self.usr_continue = usr_continue
         self.pending: int | None = None
+        self._received: int | None = None  # the first signal since install: a second one is urgent
         self._previous: dict[int, Any] = {}
 
     def install(self) -> bool:
@@ -54,8 +64,21 @@ class PreemptionWatch:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+        self._received = None
 
-    def _handler(self, signum: int, _frame: Any) -> None:
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self._received == signum and signum in _STOP:
+            # The same stop signal again before the save: hand it on now, as if smartckpt were
+            # not there (Python's SIGINT handler raises KeyboardInterrupt here).
+            prev = self._previous.get(signum, signal.SIG_DFL)
+            self.uninstall()
+            if callable(prev):
+                prev(signum, frame)
+            elif prev != signal.SIG_IGN:
+                os.kill(os.getpid(), signum)
+            return
+        if self._received is None:
+            self._received = signum
         if self.pending is None:
             self.pending = signum
 
@@ -63,14 +86,48 @@ class PreemptionWatch:
         sig, self.pending = self.pending, None
         return sig
 
-    def finish(self, signum: int) -> None:
-        """After the save: continue (USR with usr_continue) or hand the signal on."""
+    def finish(self, signum: int, step: int | None = None) -> None:
+        """After the save (of ``step``; None: none was taken): continue (USR with usr_continue)
+        or hand the signal on."""
+        name = signal.Signals(signum).name
         if signum in (signal.SIGUSR1, signal.SIGUSR2) and self.usr_continue:
-            logger.warning("%s: checkpoint taken, training continues", signal.Signals(signum).name)
+            self._received = None
+            logger.warning("%s: checkpoint taken, training continues", name)
             return
         prev = self._previous.get(signum, signal.SIG_DFL)
-        logger.warning("%s: checkpoint committed, handing the signal on", signal.Signals(signum).name)
         self.uninstall()
+        if prev is signal.default_int_handler:
+            # What Python's handler would do, raised here rather than at whatever bytecode the
+            # re-sent signal lands on; said in one line when nothing catches it.
+            if step is not None:
+                logger.warning("%s: checkpoint of step %d committed, stopping", name, step)
+            raise checkpointed_interrupt(step)
+        logger.warning("%s: checkpoint committed, handing the signal on", name)
         if prev is signal.SIG_IGN:
             return
         os.kill(os.getpid(), signum)  # the previous handler, or the default action: terminate
+
+
+def checkpointed_interrupt(step: int | None) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` a SIGINT becomes after its checkpoint (or with none, ``step``
+    None). A plain ``KeyboardInterrupt``, so frameworks catch it as one and an uncaught one still
+    ends the process by SIGINT; marked, so the interpreter prints one line for it, no traceback."""
+    what = f"the checkpoint of step {step} is committed" if step is not None else "no checkpoint was taken"
+    err = KeyboardInterrupt(f"stopped by SIGINT; {what}")
+    err._smartckpt_step = step  # type: ignore[attr-defined]
+    if sys.excepthook is not _quiet_interrupt:
+        global _next_hook
+        _next_hook = sys.excepthook
+        sys.excepthook = _quiet_interrupt
+    return err
+
+
+_next_hook = sys.excepthook
+
+
+def _quiet_interrupt(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(value, KeyboardInterrupt) and hasattr(value, "_smartckpt_step"):
+        if value._smartckpt_step is None:  # the commit was logged; a missing one was not
+            sys.stderr.write(f"smartckpt: {value}\n")
+        return
+    _next_hook(kind, value, tb)

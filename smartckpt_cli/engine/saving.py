@@ -187,7 +187,8 @@ class SavePath:
                 observer.on_preempt()
         self._trace.flush()
         result.saved, result.handle, result.reason = True, handle, f"preemption ({name})"
-        self._preempt.finish(signum)  # exits through the signal unless told to continue
+        # exits through the signal unless told to continue
+        self._preempt.finish(signum, step if handle.error is None else None)
         return result
 
     def _loss_is_finite(self) -> bool:

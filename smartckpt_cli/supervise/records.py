@@ -86,7 +86,8 @@ class AttemptRecord:
     cause: str = ""
     error: dict[str, Any] | None = None
     stacks: str | None = None  # the stack dump taken before a hang kill
-    restart_from: int | None = None  # the step the next attempt began at (restored, or 0)
+    # the step the next attempt began at (restored, or 0); for the last attempt, where a rerun resumes
+    restart_from: int | None = None
     steps_lost: int | None = None
     seconds_lost: float | None = None
     delay: float = 0.0  # backoff before the next attempt

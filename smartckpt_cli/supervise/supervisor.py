@@ -210,6 +210,11 @@ class Supervisor:
                 att.flash_persisted = self.ram.persist(
                     self.dir, self.s.meta_dir, self.store.newest_step(), level=self.s.compression_level
                 )
+            if outcome.action not in ("done", "restart"):
+                # Nothing follows: what a rerun would train again is lost all the same (a Ctrl-C
+                # whose save never came, a crash that is not restarted).
+                att.restart_from = predicted_start(self._report, self.store.newest_step())
+                record_lost(att, self._step_seen)
             if outcome.action == "done":
                 return self._finish(
                     "finished", 0, f"training finished after {self.record.restarts} restart(s)"
@@ -374,7 +379,7 @@ class Supervisor:
                 observe(beats, clock, now, att, step_seen, self.state)
             elif seen:
                 self.state.heartbeat, self.state.child_state = True, "done"
-            elif time.time() - t_start > HOOKS_GRACE and not warned_beat:
+            elif time.time() - t_start > HOOKS_GRACE and not warned_beat and att.max_step is None:
                 warned_beat = True
                 self.emit(
                     "warning",
