@@ -13,12 +13,14 @@ __all__ = [
     "CheckpointCorrupt",
     "ConfigError",
     "JournalError",
+    "JournalTooNewError",
     "NoCheckpointError",
     "NotAStoreError",
     "NothingCheckpointedError",
     "RemoteStartRefused",
     "SmartckptError",
     "StateMismatchError",
+    "StoreDamagedError",
     "StoreLockedError",
     "StoreNotFoundError",
     "UnsafePathError",
@@ -56,6 +58,16 @@ class NotAStoreError(SmartckptError):
 
 class JournalError(SmartckptError):
     """The journal cannot be read, or is not a smartckpt journal, or has an unknown version."""
+
+
+class JournalTooNewError(JournalError):
+    """The journal was written by a newer smartckpt (its version is above what this one reads)."""
+
+
+class StoreDamagedError(JournalError):
+    """The journal cannot be read, or is missing or empty while manifests no journal line names
+    are there (store/unjournalled.py): nothing writes to the store until ``smartckpt verify
+    --repair`` rebuilds the journal, or the store is moved away."""
 
 
 class StoreLockedError(SmartckptError):

@@ -387,14 +387,19 @@ def test_journal_commands_refuse_bad_stores(
 # What each command does with a store whose newest checkpoint has a truncated blob: inspect
 # lists it (it reads no blob), verify names it (exit 1), prune refuses to count it as the newest
 # verified one and keeps it (--keep 1 keeps it and step 1), rollback --to-prev is fine (the target,
-# step 1, is sound), export refuses it (exit 1).
+# step 1, is sound), export refuses it (exit 1), naming step 1 as the one it can export.
 TRUNCATED = {
     "inspect": (0, None),
     "verify": (
         1,
         r"^step 2 \(\w+\): CORRUPT: L1 entry model/weight: hash mismatch in blob {bid} \([\d,]+ bytes on disk\)$",
     ),
-    "export": (1, r"^smartckpt: error: step 2: L1 entry model/weight: hash mismatch in blob {bid}$"),
+    # export without --step names the damage and the newest checkpoint that verifies
+    "export": (
+        1,
+        r"^smartckpt: error: the newest checkpoint \(step 2\) is damaged: L1 entry model/weight: hash "
+        r"mismatch in blob {bid}; the newest checkpoint that verifies is step 1: smartckpt export \S+ OUT --step 1$",
+    ),
 }
 
 

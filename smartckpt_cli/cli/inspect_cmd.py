@@ -48,8 +48,14 @@ def inspect(
     Every resume's check (the first resumed step's loss against the interrupted run's: exact,
     close or differs) is listed below the table.
 
-    Exit codes: 0 listed, 1 unreadable journal, or a directory with run records of smartckpt
-    run but no checkpoint, 2 bad input (not a store, no such step).
+    A journal that lost lines (emptied, overwritten, damaged in the middle) leaves manifests no
+    line names: one line says how many and which steps, and how to put them back (smartckpt
+    verify --repair). '>' marks what a resume loads: the newest live checkpoint not known to be
+    damaged (its manifest reads, its blobs are there at their size, its last verify passed).
+
+    Exit codes: 0 listed, 1 the journal cannot be read or lost checkpoints (manifests no line
+    names), or a directory with run records of smartckpt run but no checkpoint, 2 bad input
+    (not a store, no such step).
     """
     from smartckpt_cli.ops.catalog import describe, list_checkpoints
 
@@ -95,7 +101,7 @@ def inspect(
             str(r.step),
             escape((r.utc or "-").replace("T", " ").rstrip("Z")),
             escape(reason or "-"),
-            escape(r.health if r.manifest_problem is None else "MANIFEST: " + r.manifest_problem),
+            r.health if r.manifest_problem is None else "DAMAGED",
             str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
             "+".join(r.tiers) if on_disk else "-",
             r.precision if on_disk else "-",
@@ -106,7 +112,7 @@ def inspect(
             r.state,
         )
     out().print(table)
-    if not catalog.rows:
+    if not catalog.rows and not catalog.unjournalled:
         say("no checkpoint committed yet")
     if several:
         newest = max(catalog.rows, key=lambda r: r.restore_target).line if catalog.rows else "?"
@@ -136,6 +142,15 @@ def inspect(
         say(f"writing the {io.get('what')} failed ({io.get('utc', '?')}): {io.get('error', '?')}", error=True)
     if remote_view is not None:
         say(_remote_line(remote_view))
+    damaged = [r for r in catalog.rows if r.manifest_problem and r.state != "pruned"]
+    for r in damaged:
+        say(f"step {r.step} ({r.id}) is damaged: {r.manifest_problem}", error=True)
+    if damaged and not any(r.restore_target for r in catalog.rows):
+        say("no live checkpoint is known sound: a resume would begin at step 0", error=True)
+    for line in catalog.unjournalled:
+        say(line, error=True)
+    if catalog.unjournalled:
+        raise typer.Exit(1)  # checkpoints the journal lost: not a sound store
 
 
 def _checked_cell(utc: str | None, how: str | None) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -33,6 +34,14 @@ def verify(
         bool,
         typer.Option("--record/--no-record", help="Note the outcome in the journal, for inspect."),
     ] = True,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Rebuild the journal from the manifests no journal line names (those that verify), "
+            "then verify every live checkpoint.",
+        ),
+    ] = False,
     meta_dir: MetaDirOpt = None,
     remote: RemoteOpt = None,
 ) -> None:
@@ -61,6 +70,11 @@ def verify(
     side too: its commit, its manifest and every blob downloaded and re-hashed; one line each,
     prefixed 'remote'.
 
+    A journal that lost lines (emptied, overwritten, damaged in the middle) leaves manifests no
+    line names: verify says so in one line and exits 1. With --repair it rebuilds the journal
+    from those that verify completely (the old journal is kept beside it, nothing is removed),
+    then checks every live checkpoint. It refuses while a run writes the store.
+
     \b
     Exit codes:
       0  every checked checkpoint is sound (or there is none)
@@ -75,6 +89,11 @@ def verify(
 
     if step is not None and all_:
         raise UsageError("--step and --all exclude each other")
+    if repair and step is not None:
+        raise UsageError("--repair checks every live checkpoint: no --step")
+    if repair:
+        _repair(_open_for_repair(directory, meta_dir), workers)
+        all_ = True
     store = open_checkpoints(directory, meta_dir)
     with progress_bar("verifying") as progress:
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
@@ -96,6 +115,7 @@ def verify(
                         {k: v for k, v in r.__dict__.items() if k != "problem"} for r in report.results
                     ],
                     "journal_problems": report.journal_problems,
+                    "unjournalled": report.unjournalled,
                     "bytes_checked": report.bytes_checked,
                     "seconds": round(report.seconds, 3),
                     "remote": None if remote_results is None else [r.__dict__ for r in remote_results],
@@ -110,11 +130,13 @@ def verify(
             say(f"step {r.step} ({r.id}): {state}{_parts_said(r.ranks_checked, r.ranks_elsewhere)}")
         for p in report.journal_problems:
             say(f"journal: {p}")
+        for line in report.unjournalled:
+            say(line)
         for rr in remote_results or []:
             say(f"remote step {rr.step} ({rr.id}): " + ("ok" if rr.ok else f"CORRUPT: {rr.problem}"))
         if remote_results == []:
             say("remote: no checkpoint to verify")
-        if not report.results:
+        if not report.results and not report.unjournalled:
             say("no checkpoint to verify")
         elif report.seconds > 0 and sys.stderr.isatty():
             rate = report.bytes_checked / report.seconds
@@ -123,6 +145,35 @@ def verify(
                 error=True,
             )
     raise typer.Exit(0 if report.ok and remote_ok else 1)
+
+
+def _open_for_repair(directory: Path, meta_dir: Path | None) -> object:
+    """The store even without its journal (what --repair rebuilds); the directories must exist."""
+    from smartckpt_cli.errors import StoreNotFoundError
+    from smartckpt_cli.store.directory import open_store
+
+    for path in (directory, meta_dir if meta_dir is not None else directory):
+        if not path.is_dir():
+            raise StoreNotFoundError(f"{path} is not a directory")
+    return open_store(directory, meta_dir, create=True)
+
+
+def _repair(store: object, workers: int) -> None:
+    """Rebuild the journal (ops/repair.py) and say what it did, one line each."""
+    from smartckpt_cli.ops.repair import repair
+    from smartckpt_cli.store.directory import StoreDir
+
+    assert isinstance(store, StoreDir)
+    with progress_bar("verifying manifests without a journal line") as progress:
+        done = repair(store, workers=workers, progress=progress)
+    if done.nothing:
+        say("repair: every manifest has its journal line; nothing to repair")
+    for line in done.refused:
+        say(f"repair: {line}")
+    if done.rebuilt:
+        steps = ", ".join(map(str, done.rebuilt))
+        kept = f"; the old journal is kept as {store.meta_root / done.backup}" if done.backup else ""
+        say(f"repair: journal rebuilt with {len(done.rebuilt)} checkpoint(s) put back (steps {steps}){kept}")
 
 
 def _parts_said(checked: list[int], elsewhere: list[int]) -> str:

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from smartckpt_cli.errors import CheckpointCorrupt, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, StoreDamagedError, UsageError
 from smartckpt_cli.store.checkpoints import candidates, read_manifest
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
@@ -89,6 +89,8 @@ class Catalog:
     checkpointing_off: list[dict[str, Any]] = field(default_factory=list)
     # writes on the loop's path that failed and were not followed by one that worked ({"what", "error"})
     io_errors: list[dict[str, Any]] = field(default_factory=list)
+    # checkpoints the journal lost: one line per cause (store/unjournalled.py)
+    unjournalled: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -100,6 +102,7 @@ class Catalog:
             "save_failures": self.failures,
             "checkpointing_off": self.checkpointing_off,
             "io_errors": self.io_errors,
+            "unjournalled": self.unjournalled,
         }
 
 
@@ -214,11 +217,14 @@ def _verifications(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def list_checkpoints(store: StoreDir) -> Catalog:
+    found = store.survey()
+    blocking = found.blocking
+    if blocking is not None:  # nothing in the journal to list: the one line is the answer
+        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
+    lost = [f.line(str(store.root), store.repair_command()) for f in found.findings]
     state, events = store.journal.read_events(consistent=True)
     checked = _verifications(events)
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
-    target = candidates(state.records)
-    target_id = target[0].id if target else None
     lines, line_of = lineages(state.records)
     manifests: dict[str, dict[str, Any]] = {}
     problems: dict[str, str] = {}
@@ -232,6 +238,7 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         except OSError as err:
             problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    target_id = _restore_target(store, state.records, problems, sizes, checked)
     blob_checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
@@ -286,7 +293,41 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         checks,
         _events(events, "checkpointing_off"),
         _open_io_errors(events),
+        lost,
     )
+
+
+def _restore_target(
+    store: StoreDir,
+    records: list[CheckpointRecord],
+    problems: dict[str, str],
+    sizes: dict[str, dict[str, int]],
+    checked: dict[str, dict[str, Any]],
+) -> str | None:
+    """What a resume loads: the newest live healthy checkpoint that is not known to be damaged.
+    A restore re-hashes every blob and falls back past a damaged one; without reading blobs,
+    damage shows here as a manifest that does not read, a blob missing or of the wrong size
+    (one stat each), or a last verification that found it corrupt (noted in ``problems``)."""
+    for rec in candidates(records):
+        if rec.id not in problems and checked.get(rec.id, {}).get("ok") is False:
+            problems[rec.id] = f"its last verification failed: {checked[rec.id].get('problem', '?')}"
+        if rec.id not in problems:
+            bad = _missing_blob(store, sizes.get(rec.id, {}))
+            if bad is None:
+                return rec.id
+            problems[rec.id] = bad
+    return None
+
+
+def _missing_blob(store: StoreDir, blobs: dict[str, int]) -> str | None:
+    for bid, size in blobs.items():
+        try:
+            got = os.stat(store.storage.path(blob_rel(bid))).st_size
+        except (OSError, ValueError):
+            return f"blob {bid} is missing"
+        if got != size:
+            return f"blob {bid} is {got:,} bytes, not {size:,}"
+    return None
 
 
 def _events(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -150,10 +150,12 @@ def export(
         try:
             loaded = _load(store, rec, store_id)
             break
-        except CheckpointCorrupt:
+        except CheckpointCorrupt as err:
             # A running job may prune the checkpoint while it is being read: that is not
             # corruption. Pick again (the newest live one) unless a step was asked for.
             pruned = any(r.id == rec.id and r.pruned for r in store.journal.read().records)
+            if not pruned and step is None:
+                raise CheckpointCorrupt(_damaged_newest(store, rec, err), tier=err.tier) from None
             if not pruned or attempt == 2:
                 raise
             if step is not None:
@@ -185,6 +187,27 @@ def export(
             tmp.unlink()
     n_tensors = sum(1 for _ in _tensors_of(payload))
     return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing, world)
+
+
+def _damaged_newest(store: StoreDir, rec: Any, err: CheckpointCorrupt) -> str:
+    """The newest checkpoint does not verify: say so, and name the newest one that does (every
+    blob re-hashed, as the export would), so the user picks it with --step knowingly."""
+    from smartckpt_cli.ops.verify import check
+
+    state = store.journal.read()
+    line = (
+        f"the newest checkpoint (step {rec.step}) is damaged: {str(err).removeprefix(f'step {rec.step}: ')}"
+    )
+    for older in candidates(state.records):
+        if older.position >= rec.position:
+            continue
+        (result,), _, _ = check(store, [older], state.store_id)
+        if not result.problems:
+            return (
+                f"{line}; the newest checkpoint that verifies is step {older.step}: "
+                f"smartckpt export {store.root} OUT --step {older.step}"
+            )
+    return f"{line}; no older checkpoint verifies either"
 
 
 def _load(store: StoreDir, rec: Any, store_id: str | None) -> Loaded:

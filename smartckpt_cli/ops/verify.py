@@ -31,15 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from smartckpt_cli.errors import CheckpointCorrupt, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, StoreDamagedError, UsageError
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.checkpoints import read_manifest
-from smartckpt_cli.store.directory import DIR_ID, StoreDir
+from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 from smartckpt_cli.store.scrub import ScrubBook
 
-__all__ = ["VerifyReport", "VerifyResult", "record_results", "select", "verify", "verify_store"]
+__all__ = ["VerifyReport", "VerifyResult", "check", "record_results", "select", "verify", "verify_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,12 @@ class VerifyReport:
     bytes_checked: int  # distinct encoded bytes read and hashed
     seconds: float
     sound_blobs: list[str] = field(default_factory=list)  # re-hashed and found sound
+    # checkpoints the journal lost: one line per cause (store/unjournalled.py)
+    unjournalled: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results) and not self.journal_problems
+        return all(r.ok for r in self.results) and not self.journal_problems and not self.unjournalled
 
 
 # (blob id, codec, raw length, raw hash, itemsize): one decode check, shared by every user.
@@ -193,19 +195,48 @@ def verify(
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
     """Verify the selected checkpoints (see :func:`select`). ``progress(done, total)`` is called
-    with encoded bytes from the calling thread. ``workers``: 0 = one per CPU, at least 4."""
+    with encoded bytes from the calling thread. ``workers``: 0 = one per CPU, at least 4.
+    Manifests no journal line names are reported too (store/unjournalled.py): a journal that
+    lost checkpoints is not sound, whatever the checkpoints it still names are."""
     t0 = time.perf_counter()
+    found = store.survey()
+    blocking = found.blocking
+    if blocking is not None:  # nothing in the journal to check: the one line is the answer
+        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
+    lost = [f.line(str(store.root), store.repair_command()) for f in found.findings]
     state, _ = store.journal.read_events(consistent=True)
     chosen = select(state, step=step, all_checkpoints=all_checkpoints)
+    results, checked, sound = check(store, chosen, state.store_id, workers=workers, progress=progress)
+    _recheck_pruned(store, results)
+    for r in results:
+        if r.problems and r.note is None:
+            r.ok = False
+            shown = sorted(r.problems)[:MAX_PROBLEMS]
+            more = len(r.problems) - len(shown)
+            r.problem = "; ".join(shown) + (f"; and {more} more" if more else "")
+    return VerifyReport(results, state.problems, checked, time.perf_counter() - t0, sound, lost)
+
+
+def check(
+    store: StoreDir,
+    chosen: list[CheckpointRecord],
+    store_id: str | None,
+    *,
+    workers: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[VerifyResult], int, list[str]]:
+    """Check ``chosen`` (journal records, or records made for manifests no line names): one
+    result each with its problems (``ok`` is set by the caller), the encoded bytes read, and
+    the blobs found sound."""
     results = [VerifyResult(r.step, r.id, True) for r in chosen]
     users: dict[_Task, list[tuple[int, str, str]]] = {}  # task -> (result index, tier, key)
     sizes: dict[_Task, int] = {}
-    here = _dir_id(store)
+    here = store.dir_id()
     for i, rec in enumerate(chosen):
         for rank, part in _parts(store, rec, here, results[i]):
             prefix = "" if rank is None else f"rank {rank}: "
             try:
-                manifest = read_manifest(store.storage, part, state.store_id)
+                manifest = read_manifest(store.storage, part, store_id)
             except CheckpointCorrupt as err:
                 results[i].problems.append(prefix + str(err).removeprefix(f"step {rec.step}: "))
                 continue
@@ -248,22 +279,7 @@ def verify(
                 if i not in seen:
                     seen.add(i)
                     results[i].problems.append(f"{tier} entry {key}: {problem}")
-    _recheck_pruned(store, results)
-    for r in results:
-        if r.problems and r.note is None:
-            r.ok = False
-            shown = sorted(r.problems)[:MAX_PROBLEMS]
-            more = len(r.problems) - len(shown)
-            r.problem = "; ".join(shown) + (f"; and {more} more" if more else "")
-    return VerifyReport(results, state.problems, checked, time.perf_counter() - t0, sound)
-
-
-def _dir_id(store: StoreDir) -> str | None:
-    """This directory's disk identity (written by the first multi-rank save here), if any."""
-    try:
-        return (store.root / DIR_ID).read_text().strip() or None
-    except OSError:
-        return None
+    return results, checked, sound
 
 
 def _parts(
@@ -316,7 +332,7 @@ def record_results(store: StoreDir, report: VerifyReport) -> bool:
     was last verified and how it went. Best effort: a read-only store, or a journal with
     damaged lines (which appending would start repairing), is left as it is. Returns whether
     the results were recorded."""
-    if report.journal_problems or not report.results:
+    if report.journal_problems or report.unjournalled or not report.results:
         return False
     utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:

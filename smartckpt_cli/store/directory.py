@@ -21,10 +21,18 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from smartckpt_cli.errors import NotAStoreError, StoreLockedError, StoreNotFoundError, UnsafePathError
+from smartckpt_cli.errors import (
+    NotAStoreError,
+    StoreDamagedError,
+    StoreLockedError,
+    StoreNotFoundError,
+    UnsafePathError,
+)
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import JOURNAL, JOURNAL_LOCK, Journal
+from smartckpt_cli.store.names import is_manifest_file
 from smartckpt_cli.store.storage import LocalStorage, Storage
+from smartckpt_cli.store.unjournalled import Survey, repair_command, say_once, survey
 
 __all__ = ["DIR_ID", "WRITER_LOCK", "StoreDir", "WriterLock", "open_store", "unsafe_layout"]
 
@@ -103,12 +111,37 @@ class StoreDir:
 
     def ensure_journal(self, store_id: str | None = None) -> str:
         """The store id; creates the journal on first use (under a lock, once), with
-        ``store_id`` when given (a store continued from its remote copy)."""
+        ``store_id`` when given (a store continued from its remote copy). Refuses
+        (:class:`StoreDamagedError`) a journal that cannot be read, and a missing or empty one
+        beside manifests no journal line names: a new journal would make those checkpoints
+        garbage (store/unjournalled.py)."""
         with self.meta.lock(JOURNAL_LOCK):
-            state = self.journal.read()
-            if state.store_id is not None:
-                return state.store_id
+            found = self.survey()
+            blocking = found.blocking
+            if blocking is not None:
+                raise StoreDamagedError(blocking.line(str(self.root), self.repair_command()))
+            for finding in found.findings:
+                say_once(finding.line(str(self.root), self.repair_command()))
+            assert found.state is not None  # it read: nothing blocks
+            if found.state.store_id is not None:
+                return found.state.store_id
             return self.journal.create(store_id)
+
+    def dir_id(self) -> str | None:
+        """This directory's disk identity (``dir.id``, written by the first multi-rank save
+        here), or None: parts whose dir id is another's were written to another disk."""
+        try:
+            return self.storage.read(DIR_ID).decode().strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def survey(self) -> Survey:
+        """The journal and the manifests no line of it names (store/unjournalled.py)."""
+        return survey(self.storage, self.journal)
+
+    def repair_command(self) -> str:
+        """The command that rebuilds this store's journal from its manifests."""
+        return repair_command(self.root, self.meta_root)
 
     def lock(
         self, name: str, *, shared: bool = False, blocking: bool = True
@@ -175,9 +208,26 @@ def open_store(
     except PermissionError:
         raise NotAStoreError(f"cannot open {meta_root}: permission denied") from None
     if not create and not has_journal:
-        raise NotAStoreError(f"{meta_root} is not a smartckpt checkpoint store (no {JOURNAL})")
+        held = _manifests(root)
+        raise NotAStoreError(
+            f"{meta_root} is not a smartckpt checkpoint store (no {JOURNAL})"
+            + (
+                f"; {root}/manifests/ holds {held} manifest(s): if the journal is in another "
+                f"directory, pass it with --meta-dir; if it was lost, `{repair_command(root, meta_root)}` "
+                "rebuilds it from the manifests that verify"
+                if held
+                else ""
+            )
+        )
     storage = LocalStorage(root)
     meta_storage = LocalStorage(meta_root)
     return StoreDir(
         root, meta_root, storage, meta_storage, BlobStore(storage), Journal(meta_storage, meta_root)
     )
+
+
+def _manifests(root: Path) -> int:
+    try:
+        return sum(is_manifest_file(n) for n in os.listdir(root / "manifests"))
+    except OSError:
+        return 0

@@ -32,7 +32,7 @@ from typing import Any
 import xxhash
 
 from smartckpt_cli._faults import crash, fault_active, fault_point
-from smartckpt_cli.errors import JournalError
+from smartckpt_cli.errors import JournalError, JournalTooNewError
 from smartckpt_cli.store.manifest import check_manifest
 from smartckpt_cli.store.names import (
     InvalidName,
@@ -138,6 +138,9 @@ class JournalState:
     records: list[CheckpointRecord]
     problems: list[str]  # torn or damaged lines, for verify and for warnings
     failures: list[dict[str, Any]]  # save_failed events
+    # Lines that do not read (not a torn last line): a commit among them would leave its
+    # checkpoint's manifest without a line (store/unjournalled.py).
+    damaged: tuple[str, ...] = ()
 
     def live(self) -> list[CheckpointRecord]:
         return [r for r in self.records if r.live]
@@ -255,10 +258,13 @@ def replay(
     events: list[dict[str, Any]] = []
     where: list[str] = []
     problems: list[str] = []
+    damaged: list[str] = []
     for n, (origin, ev) in enumerate(decoded, start=1):
         if ev is None:
-            what = "torn last line" if torn_tail and n == len(decoded) else "damaged line"
-            problems.append(f"{origin}: {what}, skipped")
+            torn = torn_tail and n == len(decoded)
+            problems.append(f"{origin}: {'torn last line' if torn else 'damaged line'}, skipped")
+            if not torn:
+                damaged.append(origin)
             continue
         events.append(ev)
         where.append(origin)
@@ -270,13 +276,13 @@ def replay(
             raise JournalError(f"{source} is not a smartckpt journal (no init line)")
         version = head.get("v", 0)
         if isinstance(version, bool) or not isinstance(version, int) or version > JOURNAL_VERSION:
-            raise JournalError(
+            raise JournalTooNewError(
                 f"{source} has journal version {shown(version)}, newer than this smartckpt "
                 f"understands ({JOURNAL_VERSION}); upgrade smartckpt"
             )
     store_id, records, failures = fold(events, where, problems)
     _warn_once(problems)
-    return JournalState(store_id, records, problems, failures), events
+    return JournalState(store_id, records, problems, failures, tuple(damaged)), events
 
 
 _warned: set[str] = set()

@@ -63,6 +63,7 @@ __all__ = [
     "journal_object",
     "manifest_rel",
     "marker",
+    "parse_manifest_file",
     "parse_marker",
     "part_rel",
     "ram_area",
@@ -158,6 +159,18 @@ def is_manifest_file(name: Any) -> bool:
     """Whether a file name found in ``manifests/`` is one the format makes (a checkpoint's
     manifest or a rank's part). Anything else there is not ours and is never removed."""
     return isinstance(name, str) and _MANIFEST_FILE.fullmatch(name) is not None
+
+
+def parse_manifest_file(name: Any) -> tuple[int, str, int | None] | None:
+    """(step, checkpoint id, rank or None) of a file name in ``manifests/`` the format makes;
+    None for anything else."""
+    if not isinstance(name, str):
+        return None
+    hit = _PART.fullmatch(f"manifests/{name}")
+    if hit is not None:
+        return int(hit.group(1)), hit.group(2), int(hit.group(3))
+    hit = _MANIFEST.fullmatch(f"manifests/{name}")
+    return (int(hit.group(1)), hit.group(2), None) if hit is not None else None
 
 
 def is_temporary(name: Any, final: str | None = None) -> bool:

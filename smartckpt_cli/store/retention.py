@@ -18,6 +18,7 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord, Journal, decode_manifest
 from smartckpt_cli.store.names import is_manifest_file, is_temporary
 from smartckpt_cli.store.storage.base import Storage
+from smartckpt_cli.store.unjournalled import repair_command, say_once, survey
 
 __all__ = ["GC_LOCK", "collect_garbage", "collect_garbage_locked", "prune", "select_prunable"]
 
@@ -84,10 +85,17 @@ def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal) -> int
 def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal) -> int:
     """:func:`collect_garbage` for a caller that already holds ``gc.lock`` exclusively."""
     freed = 0
-    state = journal.read()
-    kept = [r for r in state.records if not r.pruned]
+    found = survey(storage, journal)
+    if found.state is None:
+        raise JournalError(f"garbage collection stopped: the journal {found.look.path} cannot be read")
+    kept = [r for r in found.state.records if not r.pruned]
     # A multi-rank commit names one part manifest per rank; those on this disk are kept too.
-    kept_manifests = {m for r in kept for m in r.manifests()}
+    # Manifests no journal line names are the leftovers of interrupted commits, unless the journal
+    # lost lines or they are another store's: then they are evidence, kept with their blobs.
+    kept_manifests = {m for r in kept for m in r.manifests()} | found.kept
+    root = getattr(storage, "root", journal.path.parent)
+    for finding in found.findings:
+        say_once(finding.line(str(root), repair_command(root, journal.path.parent)))
     referenced: set[str] = set()
     for rel in kept_manifests:
         referenced |= _manifest_blobs(storage, rel)

@@ -29,7 +29,7 @@ from typing import Any
 
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.store import codec, ramarea
-from smartckpt_cli.store.directory import DIR_ID, StoreDir
+from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION, encode_manifest
 from smartckpt_cli.store.names import manifest_rel, part_rel
 from smartckpt_cli.store.retention import GC_LOCK
@@ -170,7 +170,7 @@ def flash_persist(
         if lineage:  # the training it continues (engine/manager.py: lineage)
             line["lineage"] = lineage
         if world > 1:
-            dir_id = _dir_id(store)
+            dir_id = store.dir_id()
             line["world_size"] = world
             line["parts"] = [
                 [rel, codec.blob_id(data)] + ([dir_id] if dir_id else []) for rel, data, _, _ in written
@@ -252,10 +252,3 @@ def _manifest(
         "not_stored": rec.get("not_stored") or [],
         **extra,
     }
-
-
-def _dir_id(store: StoreDir) -> str | None:
-    try:
-        return store.storage.read(DIR_ID).decode().strip() or None
-    except (OSError, UnicodeDecodeError):
-        return None

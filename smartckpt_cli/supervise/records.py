@@ -23,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smartckpt_cli.errors import JournalError
+from smartckpt_cli.errors import JournalError, StoreDamagedError
 from smartckpt_cli.store.directory import WRITER_LOCK
 from smartckpt_cli.store.journal import Journal
 from smartckpt_cli.store.storage import LocalStorage
+from smartckpt_cli.store.unjournalled import repair_command, say_once, survey
 from smartckpt_cli.supervise.policy import estimate_mtbf
 
 __all__ = [
@@ -208,11 +209,22 @@ class StoreView:
         self.meta = LocalStorage(self.meta_root)
         self.journal = Journal(self.meta, self.meta_root)
 
+    def refuse_damaged(self) -> None:
+        """Before the first attempt: a journal that cannot be read, or a missing or empty one
+        beside manifests no journal line names, stops the run here (StoreDamagedError, one
+        line): the child would refuse the store, or train with nothing checkpointed."""
+        if not self.root.is_dir():
+            return  # a new store: nothing to lose
+        found = survey(LocalStorage(self.root), self.journal)
+        blocking = found.blocking
+        if blocking is not None:
+            raise StoreDamagedError(blocking.line(str(self.root), repair_command(self.root, self.meta_root)))
+
     def _records(self) -> list[Any]:
         try:
             return self.journal.read().records
         except JournalError as err:
-            logger.warning("cannot read the journal: %s", err)
+            say_once(f"cannot read the journal: {err}")  # polled every second: said once
             return []
 
     def newest_step(self) -> int:

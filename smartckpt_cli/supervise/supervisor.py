@@ -118,6 +118,7 @@ class Supervisor:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> int:
+        self.store.refuse_damaged()
         done = self._already_finished()
         if done is not None:
             self.emit("info", done)
