@@ -85,11 +85,70 @@ def test_stateful_dataloader_uses_its_own_state_dict(tmp_path):
     assert rest == reference[17:24]
 
 
-def test_unseeded_shuffling_warns_at_registration(tmp_path, caplog):
-    loader = DataLoader(_ds(), batch_size=4, shuffle=True)
+def _epochs(loader, sampler, epochs, first_epoch=0, *, skip_iter=False):
+    """The training loop as README shows it: ``for epoch: for batch in loader``, each batch followed
+    by a draw from the global RNG (dropout's stand-in). Returns [(batch, draw)]."""
+    out = []
+    for epoch in range(first_epoch, epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for b in loader:
+            out.append((b[0].tolist(), torch.rand(()).item()))
+    return out
+
+
+@pytest.mark.parametrize("at", ["mid-epoch", "epoch-end"])
+@pytest.mark.parametrize("kind", ["shuffle", "seeded", "distributed", "shuffle-workers"])
+def test_an_unseeded_loader_created_after_restore_resumes_the_data_and_the_rng_exactly(tmp_path, kind, at):
+    """No generator of its own: the loader's iterator draws its base seed (and a RandomSampler its
+    permutation seed) from the global RNG at each epoch start. The resumed run creates that
+    iterator after restore(); the draws are part of the data position, so the batches *and* every
+    global RNG draw after them (dropout) are those of an uninterrupted run. Saved right after an
+    epoch's last batch, the resume begins the next epoch, as ``start // batches_per_epoch`` does."""
+
+    def make():
+        if kind == "distributed":
+            sampler = DistributedSampler(_ds(), num_replicas=2, rank=0, shuffle=True, seed=3)
+            return DataLoader(_ds(), batch_size=4, sampler=sampler), sampler
+        workers = 1 if kind == "shuffle-workers" else 0
+        init = (lambda _i: torch.manual_seed(torch.initial_seed())) if workers else None  # noqa: E731
+        gen = torch.Generator().manual_seed(7) if kind == "seeded" else None
+        loader = DataLoader(
+            _ds(), batch_size=4, shuffle=True, num_workers=workers, worker_init_fn=init, generator=gen
+        )
+        return loader, None
+
+    per_epoch = 6 if kind == "distributed" else 12
+    saved = per_epoch + 4 if at == "mid-epoch" else per_epoch
+    torch.manual_seed(0)
+    loader, sampler = make()
+    reference = _epochs(loader, sampler, 3)
+
+    torch.manual_seed(0)
+    loader, sampler = make()
     with sc.CheckpointManager(tmp_path) as mgr:
         mgr.register(data=loader)
-    assert "without a seeded generator" in caplog.text
+        seen = []
+        for epoch in range(2):
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            for b in loader:
+                seen.append((b[0].tolist(), torch.rand(()).item()))
+                if len(seen) == saved:
+                    mgr.save(saved, blocking=True)  # inside the loop body, as a step's save is
+                    break
+            if len(seen) == saved:
+                break
+    assert seen == reference[:saved]
+
+    torch.manual_seed(1234)  # another state: the restore brings the checkpoint's back
+    loader, sampler = make()
+    with sc.CheckpointManager(tmp_path) as mgr:
+        mgr.register(data=loader)
+        start = mgr.restore()
+        assert start == saved
+    rest = _epochs(loader, sampler, 3, first_epoch=start // per_epoch)
+    assert rest == reference[saved:]
 
 
 def test_a_loader_registered_twice_is_tracked_once(tmp_path):

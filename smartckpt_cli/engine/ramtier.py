@@ -285,6 +285,23 @@ class RamTier:
         took = snap.blocking_seconds + snap.guard_seconds + (time.perf_counter() - t0)
         self.cost = took if self.cost == 0.0 else 0.7 * self.cost + 0.3 * took
 
+    def note_next_step(self, values: Any) -> None:
+        """Save thread: the resume check's values of the step after this rank's RAM snapshot
+        (``values``: :class:`~smartckpt_cli.engine.resumecheck.Values`), written into its record
+        when the snapshot is that step's predecessor, so a restore from RAM (or its flash persist)
+        is checked like one from disk. A manager's own loop computes them only after the save."""
+        last = self.last
+        if not self.active or last is None or int(last["step"]) != values.step - 1:
+            return
+        meta = dict(last.get("meta") or {})
+        if "next_step" in meta:
+            return
+        meta["next_step"] = {"step": values.step, **values.read()}
+        record = {k: v for k, v in last.items() if k not in ("format", "version")}
+        record["meta"] = meta
+        ramarea.write_record(self.dir, record)
+        self.last = record
+
     def interval(self) -> float:
         """Seconds between RAM snapshots (module docstring)."""
         if self.every is not None:

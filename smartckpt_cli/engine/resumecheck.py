@@ -30,6 +30,7 @@ run on the manager's save thread).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import struct
@@ -343,9 +344,14 @@ def check_job(
             if not expected
             else "no loss and no gradient norm to compare"
         )
-        logger.info("resume check of step %d skipped: %s", values.step, why)
-        tell(resume_check=None, resume_check_skipped=why)
-        return None
+        # Said, and recorded as a verdict: a resume nobody checked must not read as a clean one.
+        logger.warning("smartckpt: resume check at step %d: unchecked (%s)", values.step, why)
+        check = {"step": values.step, "verdict": "unchecked", "why": why, "expected": expected, "got": got}
+        if append is not None:
+            with contextlib.suppress(OSError):
+                append({"event": "resume_check", "id": restored.get("id"), **check})
+        tell(resume_check=check)
+        return check
     check = {"step": values.step, "verdict": verdict, "expected": expected, "got": got}
     if append is not None:
         try:

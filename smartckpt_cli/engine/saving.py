@@ -258,7 +258,10 @@ class SavePath:
         if ahead is not None and ahead[0] == step + 1:
             next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
         if ram_only:
-            return self._hand_over(snap, t0, ram_only=True, next_step=next_step)
+            handle = self._hand_over(snap, t0, ram_only=True, next_step=next_step)
+            if next_step is None:  # taken at step(step + 1), then written into the RAM record
+                self._check.expect(step + 1, None)
+            return handle
         if next_step is None:  # taken at step(step + 1): into the manifest if still in time, else the journal
             slot = NextStepSlot()
             snap.before_manifest = slot.close

@@ -376,6 +376,8 @@ class StepPath:
             append = self.store.journal.append if self._coord.leads else None
             if saved is not None and append is not None:
                 self._saver.submit(_quietly, expect_job, values, saved, append)
+            if self._ram is not None:  # a restore from the RAM snapshot of step - 1 checks them too
+                self._saver.submit(_quietly, self._ram.note_next_step, values)
             if restored is not None:
                 self._saver.submit(_quietly, check_job, values, restored, append, report)
         except Exception as err:  # the check never breaks the training step

@@ -15,8 +15,22 @@ the next ``iter(loader)`` hands this rank its share of the rest of the epoch, cu
 loader's batches; the epochs after it are the live sampler's own. At the same world size (and the
 same batch size) the exact path above is kept.
 
-Without a seeded generator the shuffling draws from the global torch RNG when the epoch starts;
-that order cannot be replayed, so a warning says so at registration.
+Without a generator of its own a loader draws from the *global* torch RNG when an epoch starts:
+its iterator's base seed (the workers' seeds) and a ``RandomSampler``'s permutation seed. Those
+draws are part of the data position: the global RNG state before them is recorded at each epoch
+start, and the iterator a resumed run creates (after ``restore()`` put the RNG back to the
+checkpoint's state) makes them again from that recorded state, its first batch fetched there,
+and then puts the RNG back to the checkpoint's state. The epoch is then the same permutation
+with the same worker seeds, and the training's own draws (dropout) continue exactly where the
+checkpoint left them: as if the iterator had been created before the interruption, as it was.
+
+A checkpoint taken once an epoch's last batch was handed out resumes at the *next* epoch's start,
+the way a loop counts it: a loop ``for epoch in range(start // batches_per_epoch, epochs)`` then
+gets that epoch's batches, not an empty remainder of the finished one. The finished epoch's
+draws from the loader's own generators are made again first (its iterator's base seed, then its
+whole index order: ``RandomSampler`` draws once more when its epoch ends, after the last batch),
+without loading a sample. ``lookahead``: batches the loader's user fetches ahead of what it hands
+out (accelerate's prepared loaders: state/wrappers.py), not counted as consumed.
 """
 
 from __future__ import annotations
@@ -113,18 +127,30 @@ def _check_identity(state: dict[str, Any], loader: DataLoader[Any]) -> None:
 
 
 class _Counting:
-    def __init__(self, it: Any, tracker: LoaderState) -> None:
-        self._it, self._tracker = it, tracker
+    """The loader's iterator, counting the batches it hands out. ``first``: a batch fetched ahead,
+    while the iterator was created on resume (``LoaderState._replay``), handed out first;
+    ``done``: the iterator ended while that batch was fetched."""
+
+    _NOTHING = object()
+
+    def __init__(self, it: Any, tracker: LoaderState, first: Any = _NOTHING, done: bool = False) -> None:
+        self._it, self._tracker, self._first, self._done = it, tracker, first, done
 
     def __iter__(self) -> _Counting:
         return self
 
     def __next__(self) -> Any:
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self._tracker._exhausted = True  # this rank finished its share (a dropped last batch too)
-            raise
+        if self._first is not _Counting._NOTHING:
+            batch, self._first = self._first, _Counting._NOTHING
+        elif self._done:
+            self._tracker._exhausted = True
+            raise StopIteration
+        else:
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._tracker._exhausted = True  # this rank finished its share (a dropped last batch too)
+                raise
         self._tracker.batches += 1
         return batch
 
@@ -190,11 +216,8 @@ class LoaderState:
         self._wrapper: _FirstIteration | None = None  # the index sampler's, while the iterator is created
         self._reshard_note: str | None = None
         self._exhausted = False
-        if not _generators(loader) and not _dist_samplers(loader) and _shuffles(loader):
-            logger.warning(
-                "DataLoader shuffles without a seeded generator: the data order after a resume will "
-                "differ; pass generator=torch.Generator().manual_seed(SEED) to DataLoader"
-            )
+        self.lookahead = 0  # batches its user fetches ahead of what it hands out (module docstring)
+        self._total: int | None = None  # batches of the current epoch, when the loader has a length
         loader._smartckpt_tracker = self
         loader.__class__ = _tracked_class(type(loader))
 
@@ -209,6 +232,12 @@ class LoaderState:
     def _start_epoch(self, make_iter: Any) -> Any:
         resume, self._pending = self._pending, None
         carry, self._carry = self._carry, None
+        after = bool(resume.get("next")) if resume is not None and carry is None else False
+        if resume is not None and after:
+            # the epoch was finished: this is the next one, its generators as the epoch left them
+            self._finish_epoch(resume)
+            resume = None
+            self.epochs += 1
         if resume is not None:
             for g, st in zip(_generators(self.loader), resume["generators"], strict=False):
                 g.set_state(st)
@@ -216,10 +245,13 @@ class LoaderState:
                 s.set_epoch(ep)
             if carry is None:
                 self._skip = int(resume["batches"])
+        replay = resume.get("global_rng") if resume is not None else None
         self._epoch_start = {
             "generators": [g.get_state() for g in _generators(self.loader)],
             "sampler_epochs": [int(s.epoch) for s in _dist_samplers(self.loader)],
         }
+        if self.loader.generator is None:  # its iterator draws from the global RNG (module docstring)
+            self._epoch_start["global_rng"] = replay if replay is not None else torch.get_rng_state()
         self._world = _live_world(self.loader)
         if carry is not None:
             self._remainder = (
@@ -234,11 +266,13 @@ class LoaderState:
                 self._dealt = dealt_len(
                     self._dealing["len"], self._dealing["world"], self._dealing["drop_last"]
                 )
-        self.epochs = resume["epochs"] if resume is not None else self.epochs + 1
+        self.epochs = resume["epochs"] if resume is not None else self.epochs + (not after)
         self.batches = self._skip
         self._exhausted = False
         self._creating = True
         try:
+            if replay is not None and carry is None:
+                return self._replay(make_iter, replay)
             it = make_iter()
         finally:
             self._creating = False
@@ -246,7 +280,44 @@ class LoaderState:
             if self._wrapper is not None:
                 self._wrapper.armed = False
                 self._wrapper = None
-        return _Counting(it, self)
+        return self._counting(it)
+
+    def _finish_epoch(self, state: dict[str, Any]) -> None:
+        """The draws the finished epoch of ``state`` made from the loader's own generators, made
+        again from its start: the iterator's base seed, then its whole index order (no sample)."""
+        gens = _generators(self.loader)
+        if not gens:
+            return  # the global RNG's draws are in the restored RNG state already
+        for g, st in zip(gens, state["generators"], strict=False):
+            g.set_state(st)
+        for s, ep in zip(_dist_samplers(self.loader), state["sampler_epochs"], strict=False):
+            s.set_epoch(ep)
+        if self.loader.generator is not None:
+            torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+        for _ in self.loader._index_sampler:
+            pass
+
+    def _counting(self, it: Any, **first: Any) -> _Counting:
+        try:
+            self._total = len(it)
+        except TypeError:  # an IterableDataset without a length
+            self._total = None
+        return _Counting(it, self, **first)
+
+    def _replay(self, make_iter: Any, state: torch.Tensor) -> _Counting:
+        """The resumed epoch's iterator, made from the global RNG state its epoch began with: the
+        base seed and a sampler's seed are drawn again as they were, the first batch fetched
+        (the sampler draws at its first index), then the checkpoint's RNG state put back."""
+        now = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            it = make_iter()
+            try:
+                return self._counting(it, first=next(it))
+            except StopIteration:
+                return self._counting(it, done=True)
+        finally:
+            torch.set_rng_state(now)
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:  # restored but not iterated yet: keep what was restored
@@ -254,6 +325,10 @@ class LoaderState:
         if self._epoch_start is None:
             return {"epochs": 0, "batches": 0, "generators": [], "sampler_epochs": [], "started": False}
         state = {"epochs": self.epochs, "batches": self.batches, "started": True, **self._epoch_start}
+        if self._exhausted or (self._total is not None and self.batches >= self._total):
+            state["next"] = True  # finished: a resume begins the next epoch (module docstring)
+        elif self.lookahead and self.batches:
+            state["batches"] = self.batches - self.lookahead
         state["world"] = self._world
         state.update(_identity(self.loader))
         if self._dealing is not None:
@@ -363,12 +438,6 @@ class LoaderState:
             )
         return sampler
 
-
-def _shuffles(loader: DataLoader[Any]) -> bool:
-    from torch.utils.data import RandomSampler
-
-    samplers = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
-    return any(isinstance(s, RandomSampler) for s in samplers)
 
 
 _DEALING_KEYS = ("len", "seed", "shuffle", "epoch", "drop_last", "prefix", "world")

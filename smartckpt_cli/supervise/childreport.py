@@ -100,6 +100,19 @@ def learn(
     return new
 
 
+def unchecked_resume(att: AttemptRecord) -> dict[str, Any] | None:
+    """Pure: the verdict of a resumed attempt that reported none (every resume gets one): it
+    ended before its first resumed step, or before that step's check was written."""
+    if att.restored_from is None or att.start_step is None or att.resume_check is not None:
+        return None
+    step = att.start_step + 1
+    if att.max_step is None or att.max_step < step:
+        why = "the attempt ended before its first resumed step"
+    else:
+        why = "the attempt ended before the check of its first resumed step was written"
+    return {"step": step, "verdict": "unchecked", "why": why}
+
+
 def restart_phases(
     started: float, report: dict[str, Any], prev: AttemptRecord | None = None
 ) -> dict[str, float] | None:

@@ -122,13 +122,14 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     """Decide what follows an attempt (see the module docstring)."""
     rc, status = end.returncode, exit_status(end.returncode)
     if end.forwarded is not None:
-        # The stop the user asked for ends the run with that signal's status whatever the child
-        # made of it (torchrun's agent exits 1 after passing SIGINT to its workers).
+        # The stop the user asked for ends the run with that signal's status when the child exited
+        # with a code of its own (torchrun's agent exits 1 after passing SIGINT to its workers); a
+        # child killed after the grace period keeps its own (137).
         return Outcome(
             "signalled",
             "stopped",
             f"stopped by {_signame(end.forwarded)} (forwarded to the child)",
-            status if rc == 0 else 128 + end.forwarded,
+            128 + end.forwarded if rc > 0 else status,
         )
     if rc == 0:
         return Outcome("done", "done", "finished", 0)

@@ -49,6 +49,7 @@ from smartckpt_cli.supervise.childreport import (
     start_line,
     trouble_lines,
     trouble_summary,
+    unchecked_resume,
 )
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
@@ -199,6 +200,7 @@ class Supervisor:
             att, end = self._attempt(attempt_no)
             outcome = classify(end, patterns=self.s.no_restart_patterns)
             att.category, att.cause, att.exit_code = outcome.category, outcome.cause, outcome.exit_code
+            att.resume_check = att.resume_check or unchecked_resume(att)
             if outcome.category == "oom" and self._last_usage is not None:
                 u = self._last_usage
                 att.cause += (
@@ -211,7 +213,7 @@ class Supervisor:
                 att.flash_persisted = self.ram.persist(
                     self.dir, self.s.meta_dir, self.store.newest_step(), level=self.s.compression_level
                 )
-            if outcome.action not in ("done", "restart"):
+            if outcome.action not in ("done", "restart") and att.max_step is not None:
                 # Nothing follows: what a rerun would train again is lost all the same (a Ctrl-C
                 # whose save never came, a crash that is not restarted).
                 att.restart_from = predicted_start(self._report, self.store.newest_step())
