@@ -111,7 +111,7 @@ def test_an_unseeded_loader_created_after_restore_resumes_the_data_and_the_rng_e
             sampler = DistributedSampler(_ds(), num_replicas=2, rank=0, shuffle=True, seed=3)
             return DataLoader(_ds(), batch_size=4, sampler=sampler), sampler
         workers = 1 if kind == "shuffle-workers" else 0
-        init = (lambda _i: torch.manual_seed(torch.initial_seed())) if workers else None  # noqa: E731
+        init = (lambda _i: torch.manual_seed(torch.initial_seed())) if workers else None
         gen = torch.Generator().manual_seed(7) if kind == "seeded" else None
         loader = DataLoader(
             _ds(), batch_size=4, shuffle=True, num_workers=workers, worker_init_fn=init, generator=gen

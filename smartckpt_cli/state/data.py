@@ -439,7 +439,6 @@ class LoaderState:
         return sampler
 
 
-
 _DEALING_KEYS = ("len", "seed", "shuffle", "epoch", "drop_last", "prefix", "world")
 
 
