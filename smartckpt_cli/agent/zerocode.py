@@ -59,6 +59,8 @@ import torch
 
 from smartckpt_cli.agent.carry import CARRIED, carried
 from smartckpt_cli.engine.heartbeat import beat, beat_step, heartbeat_state
+from smartckpt_cli.state import wrappers
+from smartckpt_cli.state.wrappers import ACCELERATOR
 
 __all__ = ["ZeroCode", "discover", "script_names", "stamp_creation"]
 
@@ -75,6 +77,7 @@ class _Found:
     scalers: list[Any] = field(default_factory=list)
     loaders: list[Any] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)  # id -> the script's variable name, where found
+    accelerator: Any = None  # accelerate's, when it prepared what is found (state/wrappers.py)
 
 
 def discover(*, with_loaders: bool) -> _Found:
@@ -87,11 +90,12 @@ def discover(*, with_loaders: bool) -> _Found:
     scaler_types = tuple(
         t for t in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None)) if t
     )
-    opts, mods, scheds, scalers, loaders = [], [], [], [], []
+    opts, mods, scheds, scalers, loaders, prepared, accs = [], [], [], [], [], [], []
     for o in gc.get_objects():
         t = type(o)  # not isinstance: that reads __class__, which some objects warn about
         if issubclass(t, torch.optim.Optimizer):
-            opts.append(o)
+            if wrappers.inner(o) is o:  # a wrapper's optimizer is found itself
+                opts.append(o)
         elif issubclass(t, torch.nn.Module):
             mods.append(o)
         elif issubclass(t, LRScheduler | ReduceLROnPlateau):
@@ -100,6 +104,12 @@ def discover(*, with_loaders: bool) -> _Found:
             scalers.append(o)
         elif with_loaders and issubclass(t, DataLoader):
             loaders.append(o)
+        elif with_loaders and wrappers.is_prepared_loader(o):
+            prepared.append(o)  # accelerate's: it iterates the DataLoader inside it
+        elif wrappers.is_accelerator(o):
+            accs.append(o)
+    inside = {id(p.base_dataloader) for p in prepared}
+    loaders = [ld for ld in loaders if id(ld) not in inside] + prepared
     opts.sort(
         key=lambda o: (
             _created(o),
@@ -122,7 +132,7 @@ def discover(*, with_loaders: bool) -> _Found:
     scalers = sorted((s for s in scalers if s.is_enabled()), key=_created)
     loaders.sort(key=_created)
     names = script_names([*opts, *top, *scheds, *scalers, *loaders])
-    return _Found(opts, top, scheds, scalers, loaders, names)
+    return _Found(opts, top, scheds, scalers, loaders, names, accs[0] if len(accs) == 1 else None)
 
 
 # ---------------------------------------------------------------------------- stable names
@@ -336,8 +346,11 @@ class ZeroCode:
         mgr.register(**dict(zip(_names("optimizer", found.optimizers, known), found.optimizers, strict=True)))
         mgr.register(**dict(zip(_names("scheduler", found.schedulers, known), found.schedulers, strict=True)))
         mgr.register(**dict(zip(_names("scaler", found.scalers, known), found.scalers, strict=True)))
-        for name, loader in zip(_names("data", found.loaders, known), found.loaders, strict=True):
-            kind, state = adapt(loader)
+        recorded = list(zip(_names("data", found.loaders, known), found.loaders, strict=True))
+        if found.accelerator is not None:  # its counter moves with the data: taken with it
+            recorded.append((ACCELERATOR, found.accelerator))
+        for name, obj in recorded:
+            kind, state = adapt(obj)
             self.live[name] = state
             mgr.register_as(name, _Recorded(state, name, self), kind=kind)
         self.ids = {id(o) for o in self.optimizers}

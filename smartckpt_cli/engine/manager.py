@@ -59,6 +59,7 @@ from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
+from smartckpt_cli.state.wrappers import ACCELERATOR, accelerator_of
 from smartckpt_cli.store.directory import StoreDir, open_store
 from smartckpt_cli.store.scrub import Scrubber, ScrubBook
 from smartckpt_cli.trigger.cost import SaveCost
@@ -253,9 +254,14 @@ class CheckpointManager(StepPath, SavePath):
 
     def register(self, **objects: Any) -> None:
         """Register objects by name: modules, optimizers, schedulers, GradScalers, DataLoaders,
-        or anything with ``state_dict``/``load_state_dict``. Call before ``restore``."""
+        or anything with ``state_dict``/``load_state_dict``. Call before ``restore``. What
+        ``accelerate`` prepared is seen through (state/wrappers.py), and its Accelerator's
+        gradient-accumulation counter is registered with it (``accelerator``)."""
         for name, obj in objects.items():
             self._add(name, obj, None)
+        acc = accelerator_of(list(objects.values()))
+        if acc is not None and ACCELERATOR not in self._objects:
+            self._add(ACCELERATOR, acc, None)
         self._registered()
 
     def register_as(self, name: str, obj: Any, *, kind: str | None = None) -> None:

@@ -87,6 +87,10 @@ class RamTier:
         self.cost = 0.0  # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed
         self.snapshots = 0
         self.last: dict[str, Any] | None = None  # the newest record this process wrote or read
+        # The resume check's values of the step after a snapshot not recorded yet (a manager's
+        # loop computes them while the save thread still writes that snapshot): note_next_step.
+        self._record_lock = threading.Lock()  # the record is written by the save thread and the pool
+        self._next: Any = None
         try:
             rec = ramarea.read_record(rank_dir)
         except (ValueError, OSError):
@@ -279,28 +283,36 @@ class RamTier:
             "not_stored": snap.dropped,
             "meta": snap.meta,
         }
-        ramarea.write_record(self.dir, record)  # the RAM snapshot's commit point
-        self.committed, self.last = i, record
+        with self._record_lock:
+            pending, self._next = self._next, None
+            if pending is not None and pending.step == snap.step + 1 and "next_step" not in snap.meta:
+                record["meta"] = {**snap.meta, "next_step": {"step": pending.step, **pending.read()}}
+            ramarea.write_record(self.dir, record)  # the RAM snapshot's commit point
+            self.committed, self.last = i, record
         self.snapshots += 1
         took = snap.blocking_seconds + snap.guard_seconds + (time.perf_counter() - t0)
         self.cost = took if self.cost == 0.0 else 0.7 * self.cost + 0.3 * took
 
     def note_next_step(self, values: Any) -> None:
-        """Save thread: the resume check's values of the step after this rank's RAM snapshot
+        """Any thread: the resume check's values of the step after this rank's RAM snapshot
         (``values``: :class:`~smartckpt_cli.engine.resumecheck.Values`), written into its record
         when the snapshot is that step's predecessor, so a restore from RAM (or its flash persist)
         is checked like one from disk. A manager's own loop computes them only after the save."""
-        last = self.last
-        if not self.active or last is None or int(last["step"]) != values.step - 1:
-            return
-        meta = dict(last.get("meta") or {})
-        if "next_step" in meta:
-            return
-        meta["next_step"] = {"step": values.step, **values.read()}
-        record = {k: v for k, v in last.items() if k not in ("format", "version")}
-        record["meta"] = meta
-        ramarea.write_record(self.dir, record)
-        self.last = record
+        with self._record_lock:
+            last = self.last
+            if not self.active:
+                return
+            if last is None or int(last["step"]) != values.step - 1:
+                self._next = values  # its snapshot is still being written: it takes them
+                return
+            meta = dict(last.get("meta") or {})
+            if "next_step" in meta:
+                return
+            meta["next_step"] = {"step": values.step, **values.read()}
+            record = {k: v for k, v in last.items() if k not in ("format", "version")}
+            record["meta"] = meta
+            ramarea.write_record(self.dir, record)
+            self.last = record
 
     def interval(self) -> float:
         """Seconds between RAM snapshots (module docstring)."""

@@ -40,6 +40,7 @@ from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
 from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
@@ -112,6 +113,7 @@ class StepPath:
     heartbeat: bool
     # the manager's own
     _ram: RamTier | None
+    _persister: Persister
     _ram_due: float
     _first_step_report: bool
     _save: Callable[..., SaveHandle]
@@ -376,8 +378,10 @@ class StepPath:
             append = self.store.journal.append if self._coord.leads else None
             if saved is not None and append is not None:
                 self._saver.submit(_quietly, expect_job, values, saved, append)
-            if self._ram is not None:  # a restore from the RAM snapshot of step - 1 checks them too
-                self._saver.submit(_quietly, self._ram.note_next_step, values)
+            if self._ram is not None:
+                # A restore from the RAM snapshot of step - 1 checks them too: written into its
+                # record off the training thread, and not behind that snapshot's disk write.
+                self._persister.pool.submit(_quietly, self._ram.note_next_step, values)
             if restored is not None:
                 self._saver.submit(_quietly, check_job, values, restored, append, report)
         except Exception as err:  # the check never breaks the training step

@@ -7,15 +7,17 @@ a Trainer without a smartckpt callback gets one (marked ``auto``; one the script
 replaces it). The callback's CheckpointManager turns zero-code mode off in that process, so the
 optimizer hooks do not checkpoint the same training a second time.
 
-Stands down (the Trainer runs as it would, the heartbeat still beats) with several ranks
-(``WORLD_SIZE`` > 1): one manager per store and process, until multi-rank support lands.
+Every rank adds it, whatever the world size: the decision must be the same on every rank (the
+callbacks run collectives), and a fact only some ranks have is no ground for it — Lightning's
+``strategy="ddp"`` starts ranks 1..N itself *after* rank 0 built its Trainer, so ``WORLD_SIZE``
+is not yet set on rank 0 when its Trainer is made. The callback's manager coordinates the ranks
+once torch.distributed runs (engine/coordinator.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 from typing import Any
 
@@ -37,9 +39,6 @@ def patch(module: Any) -> None:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-            logger.warning("smartckpt: the Trainer callback covers one process; WORLD_SIZE > 1: not added")
-            return
         try:
             add(self)
         except Exception as err:  # never break the user's Trainer: it runs without smartckpt

@@ -43,7 +43,18 @@ register_kind(lambda o: hasattr(o, "state_dict") and hasattr(o, "load_state_dict
 
 
 def adapt(obj: Any) -> tuple[str, Any]:
-    """Returns (kind, object with state_dict/load_state_dict)."""
+    """Returns (kind, object with state_dict/load_state_dict). Wrappers are seen through
+    (state/wrappers.py): an ``AcceleratedOptimizer`` is its optimizer, a prepared DataLoader its
+    position and epoch counter, an ``Accelerator`` its step counter."""
+    from smartckpt_cli.state import wrappers
+
+    inner = wrappers.inner(obj)
+    if inner is not obj:
+        return adapt(inner)
+    if wrappers.is_prepared_loader(obj):
+        return DATA, wrappers.prepared_loader_state(obj)
+    if wrappers.is_accelerator(obj):
+        return STATE, wrappers.accelerator_state(obj)
     for predicate, kind, wrap in _KINDS:
         if predicate(obj):
             return kind, wrap(obj)
