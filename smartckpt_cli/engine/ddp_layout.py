@@ -45,13 +45,48 @@ _laid: weakref.WeakKeyDictionary[Any, list[list[int]]] = weakref.WeakKeyDictiona
 
 
 def find_ddp(obj: Any) -> Any:
-    """The ``DistributedDataParallel`` a registered object is or wraps (zero-code mode registers a
-    wrapper with ``.module``), or None."""
+    """The ``DistributedDataParallel`` a registered object is, wraps (zero-code mode registers a
+    wrapper with ``.module``), or is wrapped by: most scripts register the module they built
+    (``net``) and train ``DDP(net)``; Lightning wraps its module twice. None when there is none."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     for candidate in (obj, getattr(obj, "module", None)):
         if isinstance(candidate, DDP):
             return candidate
+    module = obj if hasattr(obj, "parameters") else getattr(obj, "module", None)
+    return _wrapping(module) if module is not None else None
+
+
+# registered module -> the DDP over its parameters (found once, by the parameters' identities)
+_wrappers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_looked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+LOOKS = 3  # saves that look for a DDP built after the module was registered, then no more
+
+
+def _wrapping(module: Any) -> Any:
+    """The live DDP whose parameters are exactly ``module``'s (only under torch.distributed)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        found = _wrappers.get(module)
+        if found is not None or _looked.get(module, 0) >= LOOKS:
+            return found
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        _looked[module] = _looked.get(module, 0) + 1
+        mine = {id(p) for p in module.parameters()}
+    except TypeError:  # not weakly referenceable: no lookup
+        return None
+    if not mine:
+        return None
+    for o in gc.get_objects():
+        if type(o) is DDP or (isinstance(o, DDP) and type(o).__module__.startswith("torch")):
+            if {id(p) for p in o.module.parameters()} == mine:
+                _wrappers[module] = o
+                return o
     return None
 
 

@@ -21,9 +21,17 @@ Order of calls (Lightning calls these hooks from the training thread):
    own checkpoints. The preemption handlers are taken off again: Lightning installs its SLURM
    auto-requeue handler only where no handler is installed yet.
 3. ``on_train_start``: smartckpt's preemption handlers go back on top of Lightning's; after the
-   blocking save a signal is handed on to Lightning's handler, so its requeue still runs.
+   blocking save a signal is handed on to Lightning's handler, so its requeue still runs. Batches
+   Lightning's data fetcher prefetches (of loaders without a length) are not counted as consumed.
+   Lightning's own restore of its DataLoaders' states is replaced, on this Trainer's fit loop
+   (``_load_combined_loader_states``, called by its ``setup_data`` right before it makes the data
+   iterator): each loader Lightning will iterate (the one it rebuilt with a
+   ``DistributedSampler`` under ddp) is registered and tracked by smartckpt (state/data.py:
+   plain and ``StatefulDataLoader`` alike), and its position loaded from the checkpoint.
+   Lightning's own resumed a ``StatefulDataLoader`` on another batch under ddp, and a plain
+   ``DataLoader`` from its epoch's first batch.
 4. ``on_train_batch_start`` (first batch after a resume only): the RNG state is restored, after
-   Lightning has made its data iterator.
+   Lightning has made its data iterator (which draws from the RNG as it did at the epoch start).
 5. ``on_train_batch_end`` (after the optimizer step and the per-step LR schedulers, which is where
    Lightning's own mid-epoch checkpoints are taken too): ``manager.step(global_step, loss)``.
 6. ``on_train_end``: a final checkpoint at the last step, and the manager is closed.
@@ -35,6 +43,8 @@ import logging
 import os
 import sys
 from typing import Any
+
+from torch.utils.data import DataLoader
 
 from smartckpt_cli.integrations._common import StateFn, build_manager, state_of
 
@@ -74,6 +84,8 @@ class SmartCheckpointCallback(pl.Callback):
         self.auto = auto
         self._own = manager is None
         self._rng_from: Any = None  # the checkpoint whose RNG state the first batch gets
+        self._data_from: Any = None  # ... and whose loader positions setup_data gets
+        self._loaders: list[Any] = []  # the trackers of the loaders Lightning iterates
         self._saved: int | None = None
         self.restored_step = 0  # the step the last fit/train resumed from (0: started afresh)
 
@@ -105,6 +117,9 @@ class SmartCheckpointCallback(pl.Callback):
         connector = trainer._checkpoint_connector
         loaded = mgr.read() if not connector._loaded_checkpoint else None
         mgr.remove_signal_handlers()
+        self._data_from = loaded
+        fit_loop = trainer.fit_loop
+        fit_loop._load_combined_loader_states = lambda: self._load_loaders(fit_loop)
         if loaded is None:
             return
         loops = state_of(loaded, LOOPS)
@@ -135,8 +150,11 @@ class SmartCheckpointCallback(pl.Callback):
         self.manager.register(**objects)
 
         def loops() -> dict[str, Any]:
+            fit = trainer.fit_loop.state_dict()
+            # the loaders' positions are registered objects of their own (_load_loaders)
+            fit.get("state_dict", {}).pop("combined_loader", None)
             return {
-                "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+                "loops": {"fit_loop": fit},
                 "epoch": trainer.current_epoch,
                 "global_step": trainer.global_step,
             }
@@ -144,8 +162,36 @@ class SmartCheckpointCallback(pl.Callback):
         self.manager.register(**{LOOPS: StateFn(loops)})
         return list(objects)
 
+    def _load_loaders(self, fit_loop: Any) -> None:
+        """In place of Lightning's restore of its loaders' states (module docstring, 2): the
+        loaders it is about to iterate, registered and, on a resume, positioned."""
+        from smartckpt_cli.state.data import LoaderState
+        from smartckpt_cli.state.registry import DATA
+
+        fit_loop._combined_loader_states_to_load = []  # not Lightning's: smartckpt's, below
+        combined = fit_loop._combined_loader
+        loaders = list(combined.flattened) if combined is not None else []
+        names = ["data"] if len(loaders) == 1 else [f"data{i}" for i in range(len(loaders))]
+        self._loaders = []
+        for name, loader in zip(names, loaders, strict=True):
+            if isinstance(loader, DataLoader):
+                tracker = LoaderState.of(loader)
+                self.manager.register_as(name, tracker, kind=DATA)
+                self._loaders.append(tracker)
+        loaded, self._data_from = self._data_from, None
+        if loaded is not None:
+            saved = loaded.manifest.get("objects", {})
+            self.manager.apply(loaded, [n for n in names if n in saved and n in self.manager.names()])
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.manager.install_signal_handlers()
+        # Lightning's data fetcher fetches this many batches ahead of the one being trained on
+        # (none when the loaders have a length: it knows the last batch without)
+        fetcher = trainer.fit_loop._data_fetcher
+        sized = getattr(fetcher, "length", None) is not None
+        ahead = 0 if sized else int(getattr(fetcher, "prefetch_batches", 0) or 0)
+        for tracker in self._loaders:
+            tracker.lookahead = ahead
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         loaded, self._rng_from = self._rng_from, None

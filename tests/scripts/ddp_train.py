@@ -18,6 +18,11 @@ Arguments:
                       hooks of ``smartckpt run`` checkpoint every rank
   --bucket-cap-kb K   DDP's bucket_cap_mb as K KiB (small: several gradient buckets)
   --comm-hook         register DDP's allreduce communication hook on the reducer
+  --register-inner    register the module the script built (``net``), not its DDP wrapper, as most
+                      scripts do
+  --loader            the data from a DataLoader with a DistributedSampler and no generator of its
+                      own, iterated by epochs (``for epoch ...: for x, y in loader``) from the
+                      epoch and batch of the start step, its iterator made after the restore
 
 Output per rank: ``rank R start S``, ``rank R step N loss HEX``, ``rank R done N``. The
 ``--dir``/``--every`` flags are optional under ``smartckpt run`` (its environment sets them).
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
+from torch.utils.data import DistributedSampler
 
 from smartckpt_cli import CheckpointManager
 
@@ -64,6 +70,8 @@ def main() -> int:
     p.add_argument("--zero-code", action="store_true")
     p.add_argument("--bucket-cap-kb", type=float, default=None)
     p.add_argument("--comm-hook", action="store_true")
+    p.add_argument("--register-inner", action="store_true")
+    p.add_argument("--loader", action="store_true")
     args = p.parse_args()
     first_attempt = os.environ.get(proto.ENV_ATTEMPT, "0") == "0"
 
@@ -102,6 +110,12 @@ def main() -> int:
         settings["meta_dir"] = args.meta_dir
     if args.every is not None:
         settings["every_steps"] = args.every
+    w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(3))
+    loader = None
+    if args.loader:
+        xs = torch.randn(512, 16, generator=torch.Generator().manual_seed(11))
+        ds = torch.utils.data.TensorDataset(xs, (xs @ w_true).tanh())
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds, shuffle=True))
     mgr: CheckpointManager | None = None
     if args.zero_code:
         import smartckpt_cli
@@ -109,12 +123,12 @@ def main() -> int:
         start = smartckpt_cli.start_step()
     else:
         mgr = CheckpointManager(**settings)
-        mgr.register(model=model, optimizer=opt, scheduler=sched)
+        mgr.register(model=net if args.register_inner else model, optimizer=opt, scheduler=sched)
+        if loader is not None:
+            mgr.register(data=loader)
         start = mgr.restore()
     print(f"rank {rank} start {start}", flush=True)
-    data = torch.Generator().manual_seed(7 + rank)
-    w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(3))
-    for step in range(start, args.total):
+    for step, x, y in _batches(args, start, rank, w_true, loader):
         if first_attempt and args.kill_at == step and args.kill_rank == rank:
             os.kill(os.getpid(), signal.SIGKILL)
         if first_attempt and args.signal_at == step and args.signal_rank == rank:
@@ -122,10 +136,6 @@ def main() -> int:
         if first_attempt and args.hang_at == step and args.hang_rank == rank:
             while True:
                 time.sleep(60)
-        # The batch of a step depends only on (rank, step): a resumed run sees the same data.
-        data.manual_seed(7 + rank * 100_003 + step)
-        x = torch.randn(32, 16, generator=data)
-        y = (x @ w_true).tanh()
         loss = F.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -161,6 +171,27 @@ def main() -> int:
     print(f"rank {rank} done {args.total} failures {len(failures)}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def _batches(args: argparse.Namespace, start: int, rank: int, w_true: torch.Tensor, loader: object):
+    """(step, x, y) from ``start`` to ``--total``: the batch of a step made from (rank, step), so
+    a resumed run sees the same data; or, with ``--loader``, the loader's, epoch by epoch."""
+    if loader is None:
+        data = torch.Generator()
+        for step in range(start, args.total):
+            data.manual_seed(7 + rank * 100_003 + step)
+            x = torch.randn(32, 16, generator=data)
+            yield step, x, (x @ w_true).tanh()
+        return
+    per_epoch = len(loader)  # type: ignore[arg-type]
+    step = start
+    for epoch in range(start // per_epoch, args.total // per_epoch + 1):
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for x, y in loader:  # type: ignore[attr-defined]
+            if step >= args.total:
+                return
+            yield step, x, y
+            step += 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ write no ``.ckpt`` file.
 Arguments: --out DIR (default_root_dir), --max-steps N (default 24: one epoch of 24 batches),
 --kill-at K (SIGKILL itself at the end of step K on the first attempt), --step-time S (sleep per
 step), --ready FILE (touched at the first step: a test may signal the process from then on),
---smartckpt DIR (add the callback explicitly, for runs outside ``smartckpt run``).
+--smartckpt DIR (add the callback explicitly, for runs outside ``smartckpt run``), --callback
+(add ``SmartCheckpointCallback()`` with its settings from the environment, as the README shows),
+--devices N (``strategy="ddp"`` on N CPU processes, which Lightning starts itself; rank
+--kill-rank is the one killed), --plain-loader (a plain ``DataLoader`` without a generator:
+Lightning gives it a ``DistributedSampler`` under ddp), --final PATH (each rank writes
+PATH.r<rank>: its module's state_dict).
 Output: ``loss STEP HEX`` per step, ``global_step N`` and ``done`` at the end.
 """
 
@@ -51,8 +56,8 @@ class Model(pl.LightningModule):
 
 
 class Faults(pl.Callback):
-    def __init__(self, kill_at: int | None, step_time: float, ready: str | None) -> None:
-        self.kill_at, self.step_time, self.ready = kill_at, step_time, ready
+    def __init__(self, kill_at: int | None, step_time: float, ready: str | None, kill_rank: int = 0) -> None:
+        self.kill_at, self.step_time, self.ready, self.kill_rank = kill_at, step_time, ready, kill_rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.ready and not os.path.exists(self.ready):
@@ -60,7 +65,7 @@ class Faults(pl.Callback):
         if self.step_time:
             time.sleep(self.step_time)
         first = os.environ.get("SMARTCKPT_ATTEMPT", "0") == "0"
-        if first and trainer.global_step == self.kill_at:
+        if first and trainer.global_step == self.kill_at and trainer.global_rank == self.kill_rank:
             time.sleep(1.5)  # the save taken a few steps ago commits in the background meanwhile
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -73,27 +78,40 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--ready", default=None)
     p.add_argument("--smartckpt", default=None, help="add SmartCheckpointCallback(DIR) explicitly")
+    p.add_argument("--callback", action="store_true")
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--plain-loader", action="store_true")
+    p.add_argument("--final", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     xs = torch.randn(96, 16, generator=g)
     ys = (xs @ torch.randn(16, 1, generator=g)).tanh()
-    loader = StatefulDataLoader(
-        torch.utils.data.TensorDataset(xs, ys), batch_size=4, shuffle=True,
-        generator=torch.Generator().manual_seed(2),
-    )  # fmt: skip
-    callbacks: list = [Faults(a.kill_at, a.step_time, a.ready)]
-    if a.smartckpt:
+    ds = torch.utils.data.TensorDataset(xs, ys)
+    if a.plain_loader:
+        loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)
+    else:
+        loader = StatefulDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
+    callbacks: list = [Faults(a.kill_at, a.step_time, a.ready, a.kill_rank)]
+    if a.smartckpt or a.callback:
         from smartckpt_cli.integrations.lightning import SmartCheckpointCallback
 
-        callbacks.append(SmartCheckpointCallback(a.smartckpt, every_steps=5, keep_last=100))
+        if a.smartckpt:
+            callbacks.append(SmartCheckpointCallback(a.smartckpt, every_steps=5, keep_last=100))
+        else:
+            callbacks.append(SmartCheckpointCallback())
     trainer = pl.Trainer(
-        max_steps=a.max_steps, default_root_dir=a.out, accelerator="cpu", devices=1, logger=False,
+        max_steps=a.max_steps, default_root_dir=a.out, accelerator="cpu", devices=a.devices, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=callbacks,
+        callbacks=callbacks, strategy="ddp" if a.devices > 1 else "auto",
     )  # fmt: skip
-    trainer.fit(Model(a.max_steps), loader)
+    model = Model(a.max_steps)
+    trainer.fit(model, loader)
+    if a.final:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save(state, f"{a.final}.r{trainer.global_rank}")
     print(f"global_step {trainer.global_step}", flush=True)
     print("done", flush=True)
 
