@@ -83,10 +83,9 @@ def _wrapping(module: Any) -> Any:
     if not mine:
         return None
     for o in gc.get_objects():
-        if type(o) is DDP or (isinstance(o, DDP) and type(o).__module__.startswith("torch")):
-            if {id(p) for p in o.module.parameters()} == mine:
-                _wrappers[module] = o
-                return o
+        if issubclass(type(o), DDP) and {id(p) for p in o.module.parameters()} == mine:
+            _wrappers[module] = o
+            return o
     return None
 
 
