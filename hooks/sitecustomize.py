@@ -135,7 +135,43 @@ def _write_error(
     }
     if thread is not None:
         payload["thread"] = thread
+    failures = _rank_failures(exc)
+    if failures:
+        payload["failures"] = failures
     proto.write_json(proto.error_path(run_dir, os.getpid()), payload)
+
+
+def _rank_failures(exc: BaseException) -> list:
+    """torchrun's agent ends with ``ChildFailedError``, whose ``failures`` say how each rank that
+    failed ended (its exit code or signal, its pid, when): ``smartckpt run`` names the rank that
+    died first from them, not a peer that lost its connection to it."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    import signal
+
+    out = []
+    for rank, f in failures.items():
+        code = getattr(f, "exitcode", None)
+        if not isinstance(rank, int) or not isinstance(code, int):
+            continue
+        name = None
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+        out.append(
+            {
+                "rank": rank,
+                "local_rank": getattr(f, "local_rank", None),
+                "pid": getattr(f, "pid", None),
+                "exitcode": code,
+                "signal": name,
+                "time": getattr(f, "timestamp", None),
+            }
+        )
+    return out
 
 
 def _install_error_hooks(run_dir: str, proto: Any) -> None:

@@ -67,6 +67,7 @@ class Settings:
     # smartckpt run (the supervisor)
     max_restarts: int = 5  # restarts after failures before giving up
     hang_timeout: float | None = None  # seconds without a step; None = learned from step times
+    first_step_timeout: float = 1800.0  # seconds from a start to its first step (imports, data, restore)
     requeue: bool = False  # after a preemption signal (USR1/USR2): scontrol requeue the SLURM job
     grace_period: float = 30.0  # seconds the child gets to save and exit after SIGTERM/SIGINT
     restart_backoff: float = 2.0  # before restarting an attempt that got nowhere; doubles per one in a row
@@ -135,6 +136,8 @@ class Settings:
             raise ConfigError("max_restarts must be 0 or more")
         if self.hang_timeout is not None and self.hang_timeout <= 0:
             raise ConfigError("hang_timeout must be positive (seconds)")
+        if not self.first_step_timeout > 0:
+            raise ConfigError("first_step_timeout must be positive (seconds)")
         if self.grace_period <= 0:
             raise ConfigError("grace_period must be positive (seconds)")
         if self.restart_backoff < 0:

@@ -77,6 +77,10 @@ def test_forwarded_and_preempted_signals():
     out = classify(AttemptEnd(-signal.SIGUSR1, True, preempted=signal.SIGUSR1))
     assert out.action == "preempted"
     assert exit_status(-15) == 143 and exit_status(4) == 4
+    # a child that exits with a code of its own after a forwarded Ctrl-C (torchrun exits 1): 130
+    assert classify(AttemptEnd(1, True, forwarded=signal.SIGINT)).exit_code == 130
+    # one killed after the grace period keeps what killed it
+    assert classify(AttemptEnd(-signal.SIGKILL, True, forwarded=signal.SIGINT)).exit_code == 137
 
 
 def test_backoff_doubles_and_caps():
@@ -170,3 +174,57 @@ def test_estimate_mtbf():
     assert estimate_mtbf([rec]) == 5400.0
     assert estimate_mtbf([{"attempts": [{"started": 0, "ended": 5, "category": "signal"}]}]) == 60.0
     assert estimate_mtbf([{"attempts": [{"started": 0, "ended": 500, "category": "done"}]}]) is None
+
+
+# torchrun's report of its ranks' ends (hooks/sitecustomize.py writes it from ChildFailedError)
+PEER = {
+    "type": "RuntimeError",
+    "message": "[pair.cc:537] Read error: Connection reset by peer",
+    "traceback": "",
+}
+
+
+@pytest.mark.parametrize(
+    ("failures", "own", "rank", "cause"),
+    [
+        # rank 1 SIGKILLed, rank 0 lost its peer and torchrun stopped it with SIGTERM: same second
+        (
+            [{"rank": 0, "pid": 10, "exitcode": -15, "signal": "SIGTERM", "time": 5},
+             {"rank": 1, "pid": 11, "exitcode": -9, "signal": "SIGKILL", "time": 5}],
+            {10: PEER}, 1, "rank 1 killed by SIGKILL",
+        ),
+        # rank 2 raised an error of its own; rank 0 lost its peer
+        (
+            [{"rank": 0, "pid": 10, "exitcode": 1, "signal": None, "time": 5},
+             {"rank": 2, "pid": 12, "exitcode": 1, "signal": None, "time": 6}],
+            {10: PEER, 12: err("ValueError", "bad batch")}, 2, "rank 2: ValueError: bad batch",
+        ),
+        # a rank that exited with a code and said nothing
+        (
+            [{"rank": 1, "pid": 11, "exitcode": 3, "signal": None, "time": 5}],
+            {}, 1, "rank 1 exit code 3",
+        ),
+    ],
+)  # fmt: skip
+def test_the_rank_that_died_first_is_the_cause_not_its_peers(failures, own, rank, cause):
+    from smartckpt_cli.supervise.policy import root_failure
+
+    root = root_failure(failures, own)
+    assert root is not None and root["rank"] == rank
+    out = classify(AttemptEnd(1, True, root))
+    assert out.action == "restart" and out.cause.startswith(cause), out
+    assert "communication" not in out.cause and "peer" not in out.cause
+
+
+def test_a_rank_killed_before_the_first_step_stops_the_run():
+    from smartckpt_cli.supervise.policy import root_failure
+
+    root = root_failure([{"rank": 1, "pid": 11, "exitcode": -9, "signal": "SIGKILL", "time": 1}], {})
+    out = classify(AttemptEnd(1, False, root))
+    assert out.action == "stop" and "rank 1 killed by SIGKILL" in out.cause
+
+
+def test_hang_clock_runs_before_any_heartbeat_with_the_first_step_timeout():
+    clock = HangClock(first_step=3.0)
+    clock.start(100.0)
+    assert clock.timeout() == 3.0 and not clock.hung(102.9) and clock.hung(103.1)

@@ -487,3 +487,20 @@ def test_a_stop_whose_save_never_came_counts_the_steps_it_lost(tmp_path, child_e
     assert att["steps_lost"] == att["max_step"] - 10 >= 3 and rec["steps_lost"] == att["steps_lost"], rec
     assert f"{att['steps_lost']} step(s) and" in out
     assert f"lost {att['steps_lost']} step(s)" in out and "a restart would resume at step 10" in out
+
+
+def test_a_child_that_never_reaches_its_first_step_is_a_hang(tmp_path, child_env):
+    """Hooks live, no heartbeat ever (a deadlock before the first step, as a rank waiting on a
+    collective no other rank joins): after first_step_timeout the stacks are dumped and the child
+    is killed as hung, not watched for ever."""
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    env = _env(child_env, SMARTCKPT_FIRST_STEP_TIMEOUT="3", SMARTCKPT_MAX_RESTARTS="0")
+    t0 = time.monotonic()
+    rc, out = _run(["--dir", "ck", str(script)], tmp_path, env, timeout=120)
+    assert time.monotonic() - t0 < 60, out
+    assert rc == 3, out  # gave up: max_restarts 0
+    assert "the child hangs: no first step within 3 s (first_step_timeout)" in out
+    (att,) = _record(tmp_path / "ck")["attempts"]
+    assert att["category"] == "hang" and att["stacks"], att
+    assert "time.sleep" in Path(att["stacks"]).read_text() or "stuck.py" in Path(att["stacks"]).read_text()

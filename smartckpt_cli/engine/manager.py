@@ -153,6 +153,8 @@ class CheckpointManager(StepPath, SavePath):
                 raise
 
         self.store_id = self._coord.open(open_as_writer, self)
+        if self._coord.world > 1:  # which rank this process is (launchers do not all set RANK)
+            report(rank=self._coord.rank)
         if not self._coord.leads:  # several ranks: every rank ships and fetches its own part
             self._source, self._observers = open_tiers(s, self.store, self._coord.rank, self._coord.world)
         self.policy: Policy = policy or make_policy(s)

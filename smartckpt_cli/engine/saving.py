@@ -114,6 +114,27 @@ class SaveStats:
     causes: dict[str, int] = field(default_factory=dict)  # each distinct cause, how often
 
 
+# A collective of a multi-rank commit that failed because a peer went away (killed, crashed): the
+# commit was interrupted with the job, it is not a save that failed. gloo's and NCCL's words.
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote process exited|DistNetworkError|"
+    r"peer (closed|disconnected)|Socket Timeout|NCCL communicator was aborted",
+    re.IGNORECASE,
+)
+
+
+def peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says a peer rank went away."""
+    seen: BaseException | None = err
+    for _ in range(4):
+        if seen is None:
+            return False
+        if _PEER_GONE.search(f"{type(seen).__name__}: {seen}"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def failure_cause(err: BaseException) -> str:
     """What makes two failures the same (logged once): the exception's type and message with
     numbers (steps, sizes, pids) and hex ids blanked."""
@@ -394,6 +415,20 @@ class SavePath:
         ``save_failed`` journal line with its cause, one log line per distinct cause (the rest
         at debug level), and the schedule moved back so the next trigger tries again."""
         msg = f"save of step {step} failed: {type(err).__name__}: {err}"
+        if self._coord.world > 1 and peer_gone(err):
+            # Another rank died while this save was being committed: the job ends with it, and
+            # the checkpoint never existed. Said once; not a failed save (nothing to retry, no
+            # journal line, no count).
+            logger.warning(
+                "the commit of step %d was interrupted: another rank went away (%s: %.200s)",
+                step,
+                type(err).__name__,
+                err,
+            )
+            with self._stats_lock:
+                self._scheduled = self._committed
+            report(commit_interrupted={"step": step, "error": f"{type(err).__name__}: {err}"[:300]})
+            return msg
         cause = failure_cause(err)
         with self._stats_lock:
             self._stats.failures.append(msg)

@@ -17,6 +17,7 @@ import yaml
 
 from smartckpt_cli.config import ENV_PREFIX, Settings
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
+from smartckpt_cli.supervise.policy import root_failure, silent_rank
 
 __all__ = ["RunDir", "alive", "child_env", "hooks_dir", "interpreter_flags_warning", "python_command"]
 
@@ -90,13 +91,20 @@ def child_env(
 
 
 def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (dead, not yet reaped: a rank whose launcher died before
+    waiting for it) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+    except OSError:
+        return True  # no /proc: what kill(0) said
 
 
 class RunDir:
@@ -148,14 +156,48 @@ class RunDir:
         return [pid for _, pid in self._files("hooks.*.json")]
 
     def error(self) -> dict[str, Any] | None:
-        """The first error file written in this attempt: the root cause, not a rank that failed
-        because another one did."""
+        """The root cause of this attempt's end: the rank that died first, as torchrun's agent
+        reported its ranks' ends (policy.root_failure), else the first error file written (not
+        a rank that failed because another one did)."""
         found = []
         for path, _ in self._files("error.*.json"):
             data = proto.read_json(path)
             if data is not None:
-                found.append((os.path.getmtime(path), data))
-        return min(found, key=lambda f: f[0])[1] if found else None
+                found.append((os.path.getmtime(path), path, data))
+        if not found:
+            return None
+        by_pid = {_pid_of(path): data for _, path, data in found}
+        for _, _, data in found:
+            if isinstance(data.get("failures"), list):
+                root = root_failure(data["failures"], by_pid)
+                if root is not None:
+                    return root
+        # No torchrun report (Lightning starts its own ranks): a rank whose heartbeat stopped
+        # without an error file or DONE died silently, and its peers' errors are its doing.
+        silent = silent_rank(self.dead_ranks(), by_pid)
+        return silent if silent is not None else min(found, key=lambda f: f[0])[2]
+
+    def dead_ranks(self) -> list[tuple[int, int, float]]:
+        """(rank, pid, its last beat) of every rank of this attempt whose process is gone without
+        having said DONE."""
+        ranks = {r.get("pid"): r.get("rank") for r in self.reports()}  # a manager knows its rank
+        out = []
+        for path, pid in self._files("heartbeat.*"):
+            beat = proto.read_heartbeat(path, pid)
+            if beat is None or beat.state == proto.DONE or alive(pid):
+                continue
+            rank = beat.rank if beat.rank >= 0 else ranks.get(pid)
+            if isinstance(rank, int) and rank >= 0:
+                out.append((rank, pid, beat.time))
+        return out
 
     def stacks(self, pid: int) -> str:
         return proto.stacks_path(str(self.path), pid)
+
+
+def _pid_of(path: Any) -> int | None:
+    """The pid in ``error.<pid>.json``."""
+    try:
+        return int(os.path.basename(str(path)).split(".")[1])
+    except (IndexError, ValueError):
+        return None

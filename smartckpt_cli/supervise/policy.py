@@ -16,6 +16,7 @@ Constants below are the defaults the README documents.
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from collections import deque
@@ -43,6 +44,8 @@ __all__ = [
     "classify",
     "estimate_mtbf",
     "exit_status",
+    "root_failure",
+    "silent_rank",
 ]
 
 # Exit codes of ``smartckpt run`` besides the child's own (see the command's help).
@@ -139,6 +142,18 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     err = end.error or {}
     etype, emsg = str(err.get("type", "")), str(err.get("message", ""))
     text = f"{etype}: {emsg}" if etype else ""
+    rank = err.get("rank")
+    if isinstance(rank, int) and not etype:  # a rank that wrote no error: how it ended (root_failure)
+        how = (
+            f"killed by {err['signal']}"
+            if err.get("signal")
+            else f"exit code {err['exitcode']}"
+            if err.get("exitcode") is not None
+            else "ended without an error of its own (killed by a signal?)"
+        )
+        return _ended(end, f"rank {rank} {how}", status)
+    if isinstance(rank, int):
+        text = f"rank {rank}: {text}"
     if etype.rsplit(".", 1)[-1] == "RemoteStartRefused":
         # The child waited remote_start_wait for the remote and refused to start over at step 0:
         # a restart now would wait again; the operator decides (run again, or start fresh).
@@ -173,6 +188,76 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     if text:
         return Outcome("restart", "failed", _short(text), status)
     return Outcome("restart", "failed", f"exit code {rc}", status)
+
+
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|remote process exited", re.IGNORECASE)
+
+
+def root_failure(failures: list[Any], errors: dict[int | None, dict[str, Any]]) -> dict[str, Any] | None:
+    """Pure: which rank's end caused the others', from torchrun's report (``failures``: each
+    failed rank's ``rank``, ``pid``, ``exitcode``, ``signal``, ``time``) and the ranks' own error
+    files (``errors`` by pid). A rank killed by a signal comes first (its peers then lose their
+    connection and exit with an error of their own, or torchrun stops them with SIGTERM), then a
+    rank whose error is not a lost peer, then one SIGTERM stopped, then the rest; earliest first
+    within each, then the lowest rank. The rank's own error when it wrote one, else what killed
+    it; ``rank`` added either way. None when ``failures`` names no rank."""
+    ranks = [f for f in failures if isinstance(f, dict) and isinstance(f.get("rank"), int)]
+    if not ranks:
+        return None
+
+    def text(f: dict[str, Any]) -> str:
+        own = errors.get(f.get("pid")) or {}
+        return f"{own.get('type', '')}: {own.get('message', '')}"
+
+    def order(f: dict[str, Any]) -> tuple[int, float, int]:
+        sig, own = f.get("signal"), errors.get(f.get("pid"))
+        if sig and own is None and sig != "SIGTERM":
+            kind = 0  # killed outright: nothing of its own was said
+        elif own is not None and not _PEER_GONE.search(text(f)):
+            kind = 1  # an error of its own
+        elif sig and own is None:
+            kind = 2  # SIGTERM: what torchrun stops the surviving ranks with
+        else:
+            kind = 3  # a peer went away
+        when = f.get("time")
+        return kind, float(when) if isinstance(when, int | float) else math.inf, int(f["rank"])
+
+    first = min(ranks, key=order)
+    own = errors.get(first.get("pid"))
+    if own is not None:
+        return {**own, "rank": first["rank"]}
+    return {"rank": first["rank"], "signal": first.get("signal"), "exitcode": first.get("exitcode")}
+
+
+def _ended(end: AttemptEnd, how: str, status: int) -> Outcome:
+    """A rank of several that died without an error of its own (a signal, an exit code)."""
+    if end.hung:
+        return Outcome("restart", "hang", "hung: no heartbeat within the hang timeout", status)
+    if not end.progressed and end.progressed is not None:
+        return Outcome(
+            "stop",
+            "no-progress",
+            f"failed before its first training step ({how}): a restart would fail the same way",
+            status,
+        )
+    if end.oom:
+        return Outcome("restart", "oom", f"{how.split(' killed')[0]} killed by the OOM killer", status)
+    return Outcome("restart", "signal" if "killed by" in how or "signal" in how else "failed", how, status)
+
+
+def silent_rank(
+    dead: list[tuple[int, int, float]], errors: dict[int | None, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Pure: without torchrun's report, the rank that died first when it said nothing: ``dead``
+    holds (rank, pid, last beat) of ranks gone without DONE; the one with no error file of its
+    own whose last beat is the earliest, when every error the others wrote is a lost peer's
+    (theirs are the consequence). None otherwise."""
+    quiet = [d for d in dead if d[1] not in errors]
+    said = [e for e in errors.values() if e]
+    if not quiet or any(not _PEER_GONE.search(f"{e.get('type')}: {e.get('message')}") for e in said):
+        return None
+    rank, _, _ = min(quiet, key=lambda d: (d[2], d[0]))
+    return {"rank": rank, "signal": None, "exitcode": None}
 
 
 def _short(text: str, limit: int = 200) -> str:

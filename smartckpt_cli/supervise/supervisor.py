@@ -355,7 +355,7 @@ class Supervisor:
         fwd.preempt, fwd.stopping_since = None, None
         tree = TreeMonitor(proc.pid)
         pids: set[int] = {proc.pid}
-        clock = HangClock(override=self.s.hang_timeout)
+        clock = HangClock(override=self.s.hang_timeout, first_step=self.s.first_step_timeout)
         clock.start(time.monotonic())
         step_seen: dict[int, float] = {start_step: t_start}
         hung = warned_hooks = warned_beat = False
@@ -389,7 +389,8 @@ class Supervisor:
                     "no heartbeat from the child yet: hang detection is off until one arrives "
                     "(are the hooks live? see the warning above)"
                     if not hooks
-                    else "no heartbeat from the child yet: hang detection is off until the first step",
+                    else "no heartbeat from the child yet: it counts as hung if it does not reach its first "
+                    f"step within {self.s.first_step_timeout:g} s (first_step_timeout)",
                 )
             if not hooks and not warned_hooks and time.time() - t_start > HOOKS_GRACE:
                 warned_hooks = True
@@ -400,8 +401,12 @@ class Supervisor:
                     f"sitecustomize in {hooks_dir()} is missing; run the script with a plain "
                     "`python`, or use a CheckpointManager in the script",
                 )
-            self.state.hang_timeout = clock.timeout() if beats else None
-            if beats and fwd.stop is None and not hung and clock.hung(now):
+            # Before the first heartbeat the clock runs too, once the hooks are live in the child
+            # (it is a training: a job stuck before its first step is a hang after
+            # first_step_timeout); without hooks nothing says what a step is.
+            watched = bool(beats) or (bool(hooks) and att.max_step is None)
+            self.state.hang_timeout = clock.timeout() if watched else None
+            if watched and fwd.stop is None and not hung and clock.hung(now):
                 hung = True
                 hang_kill(proc.pid, clock, att, hooks, files, self.emit)
             if att.start_step is None:  # where it began: said as soon as the child says it
@@ -506,7 +511,8 @@ class Supervisor:
         if self.spare is None:
             began, step = att.start_step, self.state.step
             stepped = began is not None and step is not None and step > began
-            training = stepped or time.time() - t_start > HOOKS_GRACE
+            # with the hooks live a step says it trains; without them, only time can
+            training = stepped or (not self.state.hooks_live and time.time() - t_start > HOOKS_GRACE)
             if not training or len(self.record.attempts) >= self.s.max_restarts:
                 return
             started = Spare.start(

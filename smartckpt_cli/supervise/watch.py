@@ -71,11 +71,12 @@ def hang_kill(
 ) -> None:
     """Ask every live hooked process for its stacks (``proto.STACK_SIGNAL_NAME``, SIGQUIT),
     wait up to :data:`STACK_WAIT` seconds for them, report them, then kill the child's tree."""
-    emit(
-        "warning",
-        f"the child hangs: no progress past step {clock.last_step} for "
-        f"{clock.timeout() or 0:.0f} s (hang timeout); dumping stacks and killing it",
+    what = (
+        f"no first step within {clock.timeout() or 0:.0f} s (first_step_timeout)"
+        if clock.last_step is None
+        else f"no progress past step {clock.last_step} for {clock.timeout() or 0:.0f} s (hang timeout)"
     )
+    emit("warning", f"the child hangs: {what}; dumping stacks and killing it")
     # Only processes of the child's own process group: the pids come from file names in the run
     # directory, and a file planted there must not make the supervisor signal anyone else.
     live = [p for p in hooks if alive(p) and _in_group(p, pid)]

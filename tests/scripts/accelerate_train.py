@@ -85,9 +85,7 @@ def main() -> None:
         mgr.close()
     if a.out:
         unwrapped = acc.unwrap_model(model)
-        torch.save(
-            {"model": unwrapped.state_dict(), "optimizer": opt.state_dict()}, f"{a.out}.r{rank}"
-        )
+        torch.save({"model": unwrapped.state_dict(), "optimizer": opt.state_dict()}, f"{a.out}.r{rank}")
     print(f"rank {rank} done", flush=True)
 
 

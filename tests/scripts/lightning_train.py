@@ -93,7 +93,9 @@ def main() -> None:
     if a.plain_loader:
         loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True)
     else:
-        loader = StatefulDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2))
+        loader = StatefulDataLoader(
+            ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(2)
+        )
     callbacks: list = [Faults(a.kill_at, a.step_time, a.ready, a.kill_rank)]
     if a.smartckpt or a.callback:
         from smartckpt_cli.integrations.lightning import SmartCheckpointCallback
