@@ -441,6 +441,8 @@ class CheckpointManager(StepPath, SavePath):
             ),
             "rtol": tolerance(on_cpu_only=on_cpu, deterministic=torch.are_deterministic_algorithms_enabled()),
         }
+        if self.resume_limits:  # what this restore knows it could not carry: the line names it
+            restored["known"] = list(self.resume_limits)
         if restored["expected"] is None and not self._coord.leads:
             restored["skip"] = "rank 0 alone recorded the step after this checkpoint (in the journal)"
         if loaded.manifest.get("resharded_from") is not None:

@@ -131,7 +131,9 @@ def not_exact_line(check: dict[str, Any], rtol: float) -> str:
             f"smartckpt: resume check at step {step}: close, not bit-exact ({'; '.join(seen)}; within "
             f"the {rtol:g} relative tolerance of a device whose kernels are not deterministic)"
         )
-    return f"smartckpt: the resume is not exact: step {step} computes {'; '.join(seen)}; {WHY}"
+    known = check.get("known")
+    why = f"known cause: {known[0]}" if known else WHY
+    return f"smartckpt: the resume is not exact: step {step} computes {'; '.join(seen)}; {why}"
 
 
 def expected_of(
@@ -353,6 +355,8 @@ def check_job(
         tell(resume_check=check)
         return check
     check = {"step": values.step, "verdict": verdict, "expected": expected, "got": got}
+    if verdict != "exact" and restored.get("known"):
+        check["why"] = "; ".join(restored["known"])  # the record names the cause the restore knew
     if append is not None:
         try:
             append({"event": "resume_check", "id": restored.get("id"), **check})
@@ -362,5 +366,5 @@ def check_job(
     if verdict == "exact":
         logger.info("resume check at step %d: exact", values.step)
     else:
-        logger.warning("%s", not_exact_line(check, rtol))
+        logger.warning("%s", not_exact_line({**check, "known": restored.get("known")}, rtol))
     return check
