@@ -58,18 +58,30 @@ __all__ = ["LoaderState", "load_stateful_loader"]
 logger = logging.getLogger(__name__)
 
 
+def _samplers(loader: DataLoader[Any]) -> list[Any]:
+    """The loader's samplers, wrapped ones included (accelerate's ``BatchSamplerShard`` holds the
+    loader's batch sampler as ``.batch_sampler``, which holds the ``RandomSampler``)."""
+    found: list[Any] = []
+    todo = [loader.sampler, loader.batch_sampler]
+    while todo and len(found) < 16:
+        s = todo.pop(0)
+        if s is None or any(s is f for f in found):
+            continue
+        found.append(s)
+        todo += [getattr(s, "sampler", None), getattr(s, "batch_sampler", None)]
+    return found
+
+
 def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     found: list[torch.Generator] = []
-    samplers = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
-    for g in [loader.generator, *(getattr(s, "generator", None) for s in samplers)]:
+    for g in [loader.generator, *(getattr(s, "generator", None) for s in _samplers(loader))]:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
     return found
 
 
 def _dist_samplers(loader: DataLoader[Any]) -> list[Any]:
-    samplers = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
-    return [s for s in samplers if s is not None and hasattr(s, "set_epoch") and hasattr(s, "epoch")]
+    return [s for s in _samplers(loader) if hasattr(s, "set_epoch") and hasattr(s, "epoch")]
 
 
 class _FirstIteration:

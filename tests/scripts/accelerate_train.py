@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from accelerate import Accelerator
@@ -76,6 +77,7 @@ def main() -> None:
             if mgr is not None:
                 mgr.step(step, loss=loss)
             if step == a.kill_at and rank == a.kill_rank and attempt == "0":
+                time.sleep(1.5)  # the save taken a few steps ago commits in the background meanwhile
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == a.total:
                 break
