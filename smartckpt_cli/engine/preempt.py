@@ -92,7 +92,7 @@ class PreemptionWatch:
         name = signal.Signals(signum).name
         if signum in (signal.SIGUSR1, signal.SIGUSR2) and self.usr_continue:
             self._received = None
-            logger.warning("%s: checkpoint taken, training continues", name)
+            logger.warning("smartckpt: %s: checkpoint taken, training continues", name)
             return
         prev = self._previous.get(signum, signal.SIG_DFL)
         self.uninstall()
@@ -100,9 +100,9 @@ class PreemptionWatch:
             # What Python's handler would do, raised here rather than at whatever bytecode the
             # re-sent signal lands on; said in one line when nothing catches it.
             if step is not None:
-                logger.warning("%s: checkpoint of step %d committed, stopping", name, step)
+                logger.warning("smartckpt: %s: checkpoint of step %d committed, stopping", name, step)
             raise checkpointed_interrupt(step)
-        logger.warning("%s: checkpoint committed, handing the signal on", name)
+        logger.warning("smartckpt: %s: checkpoint committed, handing the signal on", name)
         if prev is signal.SIG_IGN:
             return
         os.kill(os.getpid(), signum)  # the previous handler, or the default action: terminate

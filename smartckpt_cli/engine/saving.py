@@ -200,7 +200,7 @@ class SavePath:
         import signal as _signal
 
         name = _signal.Signals(signum).name
-        logger.warning("%s received: taking a blocking checkpoint at step %d", name, step)
+        logger.warning("smartckpt: %s received: taking a blocking checkpoint at step %d", name, step)
         with heartbeat.heartbeat_state("SAVING"):
             handle = self._save(step, Decision(True, f"preemption ({name})", calm=False), lazy=False)
             handle.wait()
