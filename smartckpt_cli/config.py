@@ -42,6 +42,9 @@ class Settings:
     precision: str = "exact"  # exact | bf16 | fp16 (optimizer moments only)
     compression_level: int = 1  # zstd level; -1 stores raw
     chunk_mb: int = 16
+    # A tensor unchanged since the last checkpoint (a frozen weight) is referenced, not copied;
+    # every such tensor is copied and hashed again within this many saves (engine/unchanged.py).
+    reverify_saves: int = 8
     workers: int = 0  # encoder threads; 0 = min(8, 2 x CPUs)
     background_nice: int = 10  # CPU priority of the background threads (Linux nice, 0 = off)
     on_l2_corrupt: str = "fallback"  # fallback | reset
@@ -111,6 +114,8 @@ class Settings:
             raise ConfigError("compression_level must be between -1 (raw) and 22")
         if self.chunk_mb < 1:
             raise ConfigError("chunk_mb must be at least 1")
+        if self.reverify_saves < 1:
+            raise ConfigError("reverify_saves must be at least 1")
         if self.max_interval <= 0:
             raise ConfigError("max_interval must be positive")
         if self.policy not in ("adaptive", "seed", "fixed"):

@@ -53,6 +53,7 @@ from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
+from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
 from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
@@ -201,6 +202,8 @@ class CheckpointManager(StepPath, SavePath):
         self._hooks: list[Any] = []
         self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
         self._stager = Stager()
+        # What the next save need not copy: unchanged since the last commit (unchanged.py).
+        self._unchanged = Unchanged(rotation=s.reverify_saves)
         # Under smartckpt run: the RAM tier, staging in shared memory that outlives this process
         # (ramtier.py); RAM snapshots are due from this monotonic time on.
         self._ram = RamTier.open(s, self.store_id, self._coord.rank, self._coord.world)

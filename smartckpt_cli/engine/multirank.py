@@ -45,6 +45,7 @@ from smartckpt_cli.state.precision import tensor_bytes
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.ramarea import chunk_hashes
 from smartckpt_cli.store.storage.base import Storage
 
 __all__ = ["NotCommitted", "RankFailed", "persist_distributed", "restore_distributed"]
@@ -60,10 +61,24 @@ class RankFailed(SmartckptError):
     """One rank's error, raised on every rank (it names the rank and the error)."""
 
 
-def _digest(item: Any) -> str:
+_PROCESS = uuid.uuid4().hex  # this process, in a digest no other rank's can equal
+
+
+def _digest(item: Any, known: dict[str, list[Any]], chunk_bytes: int) -> str:
+    """What makes two ranks' entries the same: dtype, shape, precision and the hashes of their
+    bytes cut in chunks. The chunks' hashes go to ``known`` (the snapshot's ``ram_hashes``) when
+    the RAM tier did not make them already: the writer reuses them (each chunk hashed once)."""
     # The key is compared separately; dtype, shape and transform make equal bytes equal entries.
     head = f"{item.dtype}|{item.shape}|{item.plan.transform}|{item.plan.tier}|"
-    return head + codec.raw_hash(tensor_bytes(item.tensor.contiguous()))
+    if item.tensor is None:
+        # Referenced from this rank's last part (engine/unchanged.py): kept in this rank's part,
+        # never planned as a copy of another rank's (its bytes were not read, to compare).
+        return head + f"own:{_PROCESS}:{item.plan.key}"
+    chunks = known.get(item.plan.key)
+    if chunks is None:
+        chunks = chunk_hashes(tensor_bytes(item.tensor.contiguous()), chunk_bytes)
+        known[item.plan.key] = chunks
+    return head + codec.raw_hash(",".join(f"{n}:{h}" for n, h in chunks).encode())
 
 
 def persist_distributed(
@@ -76,7 +91,7 @@ def persist_distributed(
     hashes: list[str] | None = None
     try:
         snap.wait_ready()
-        digests = p.pool.map(_digest, snap.items)
+        digests = p.pool.map(lambda it: _digest(it, snap.ram_hashes, p.chunk_bytes), snap.items)
         hashes = [entry_hash(i.plan.key, d) for i, d in zip(snap.items, digests, strict=True)]
     except Exception as err:  # still take part in the exchange: the other ranks must not wait
         logger.error("step %d: staging this rank's state failed: %s", snap.step, err)
@@ -135,6 +150,9 @@ def persist_distributed(
         written.bytes_raw,
         time.perf_counter() - t0,
         str(outcome["health"]),
+        written.entries,
+        tuple(written.changed),
+        tuple(written.restage),
     )
     return info, bool(plan["gc"])
 

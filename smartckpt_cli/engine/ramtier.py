@@ -87,6 +87,9 @@ class RamTier:
         self.cost = 0.0  # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed
         self.snapshots = 0
         self.last: dict[str, Any] | None = None  # the newest record this process wrote or read
+        # The record each slot was last committed with by this process: an entry a snapshot
+        # references (unchanged, engine/unchanged.py) keeps its place and hashes from it.
+        self.records: dict[int, dict[str, Any]] = {}
         # The resume check's values of the step after a snapshot not recorded yet (a manager's
         # loop computes them while the save thread still writes that snapshot): note_next_step.
         self._record_lock = threading.Lock()  # the record is written by the save thread and the pool
@@ -150,6 +153,7 @@ class RamTier:
         self.wait_ready()
         self.offsets, self.size, self.specs = offsets, size, list(specs)
         self._layout += 1
+        self.records = {}  # laid out anew: nothing in a slot is known any more
         todo = [i for i in (0, 1) if i != self.committed or self._fits(i)]
 
         def run() -> None:
@@ -158,7 +162,7 @@ class RamTier:
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
             for i in todo:
                 try:
-                    if self._ensure(i):
+                    if self._ensure(i, touch=True):
                         self.end(i)
                 except OSError as err:  # ENOSPC from posix_fallocate: never a SIGBUS later
                     self.stand_down(
@@ -182,9 +186,11 @@ class RamTier:
         path = self.dir / RAM_SLOTS[i]
         return path.exists() and path.stat().st_size == self.size
 
-    def _ensure(self, i: int) -> bool:
+    def _ensure(self, i: int, *, touch: bool = False) -> bool:
         """Slot ``i`` mapped for the current layout and locked for writing; False while somebody
-        reads it (then nothing about it changed)."""
+        reads it (then nothing about it changed). ``touch`` (the preparing thread): every page of
+        a new mapping is faulted in now, writable, so the first snapshot into it copies at the
+        speed of the later ones instead of faulting 4 KB at a time on the training thread."""
         slot = self.slots[i]
         if slot is not None and self._mapped[i] == self._layout:
             return slot.try_lock()
@@ -202,6 +208,8 @@ class RamTier:
             slot.close()
             raise
         base = torch.frombuffer(slot.map, dtype=torch.uint8, count=self.size)
+        if touch:
+            _fault_in(slot.map)
         self.buffers[i] = {
             sp.key: base[self.offsets[sp.key] : self.offsets[sp.key] + _nbytes(sp.shape, sp.dtype)]
             .view(sp.dtype)
@@ -242,10 +250,11 @@ class RamTier:
         """Hash and record the snapshot in slot ``i`` (its copies are done): it becomes the RAM
         snapshot. Runs on the save thread; the hashing fans out to ``pool``."""
         t0 = time.perf_counter()
-        items = snap.items
+        items = snap.staged
         hashes = list(
             pool.map(lambda it: ramarea.chunk_hashes(tensor_bytes(it.tensor), self.chunk_bytes), items)
         )
+        snap.ram_hashes = {it.plan.key: h for it, h in zip(items, hashes, strict=True)}  # for the writer
         health = snap.health
         for tier, verdict in (("L1", "nonfinite-weights"), ("L2", "nonfinite-moments")):
             if health == "ok" and not all(
@@ -258,11 +267,18 @@ class RamTier:
                 "dtype": dtype_name(it.dtype),
                 "shape": it.shape,
                 "offset": self.offsets[it.plan.key],
-                "nbytes": it.tensor.numel() * it.tensor.element_size(),
+                "nbytes": it.nbytes,
                 "chunks": h,
             }
             for it, h in zip(items, hashes, strict=True)
         }
+        held = self.records.get(i, {}).get("entries", {})
+        for it in snap.items:
+            if it.tensor is None:  # unchanged, and in this slot already: its place and hashes
+                entry = held.get(it.plan.key)
+                if entry is None or entry["offset"] != self.offsets.get(it.plan.key):
+                    raise RuntimeError(f"{it.plan.key} is not in RAM slot {i} as referenced")
+                entries[it.plan.key] = entry
         record = {
             "store_id": self.store_id,
             "id": uuid.uuid4().hex[:12],
@@ -289,9 +305,15 @@ class RamTier:
                 record["meta"] = {**snap.meta, "next_step": {"step": pending.step, **pending.read()}}
             ramarea.write_record(self.dir, record)  # the RAM snapshot's commit point
             self.committed, self.last = i, record
+            self.records[i] = record
         self.snapshots += 1
         took = snap.blocking_seconds + snap.guard_seconds + (time.perf_counter() - t0)
         self.cost = took if self.cost == 0.0 else 0.7 * self.cost + 0.3 * took
+
+    @property
+    def layout(self) -> int:
+        """Bumped whenever the slots are laid out anew (what was in them is no longer there)."""
+        return self._layout
 
     def note_next_step(self, values: Any) -> None:
         """Any thread: the resume check's values of the step after this rank's RAM snapshot
@@ -313,6 +335,8 @@ class RamTier:
             record["meta"] = meta
             ramarea.write_record(self.dir, record)
             self.last = record
+            if self.committed is not None:
+                self.records[self.committed] = record
 
     def interval(self) -> float:
         """Seconds between RAM snapshots (module docstring)."""
@@ -415,6 +439,13 @@ class RamTier:
             "restored_from": "ram",
         }
         return Loaded(record, manifest, tensors, set())
+
+
+def _fault_in(buf: Any) -> None:
+    """Write every page of a shared mapping with its own byte (content unchanged): each page is
+    then mapped and writable in this process (a read alone would leave the write fault)."""
+    pages = np.frombuffer(buf, dtype=np.uint8)[:: ramarea.PAGE]
+    pages[:] = pages
 
 
 def _gb(n: float) -> str:

@@ -38,6 +38,7 @@ from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.snapshot import Stager, take_snapshot
+from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import UnsupportedValueError
 from smartckpt_cli.store import ramarea
@@ -66,6 +67,24 @@ class SaveHandle:
         self._snapshot = snapshot
         self.blocking_seconds = 0.0  # time save() itself blocked the caller (the eager copies)
         self.lazy = bool(snapshot is not None and snapshot.lazy)
+
+    @property
+    def copied(self) -> tuple[str, ...]:
+        """The state entries this save copied; the others it referenced, unchanged since the
+        last committed checkpoint (engine/unchanged.py)."""
+        snap = self._snapshot
+        return tuple(i.plan.key for i in snap.staged) if snap is not None else ()
+
+    @property
+    def bytes_copied(self) -> int:
+        """Bytes of state this save copied (and hashed); the rest it referenced."""
+        snap = self._snapshot
+        return sum(i.nbytes for i in snap.staged) if snap is not None else 0
+
+    @property
+    def bytes_referenced(self) -> int:
+        snap = self._snapshot
+        return sum(i.nbytes for i in snap.items if i.tensor is None) if snap is not None else 0
 
     @property
     def loop_wait_seconds(self) -> float:
@@ -161,6 +180,7 @@ class SavePath:
     _inflight: SaveHandle | None
     _lazy_snapshot: Any
     _stats: SaveStats
+    _unchanged: Unchanged
     _stats_lock: threading.Lock
     _unjournalled: list[dict[str, Any]]
     _cost: SaveCost
@@ -248,6 +268,10 @@ class SavePath:
                 rules=self.settings.tiers,
                 meta=self._meta,
                 lazy_params=self._guarded_params() if lazy else None,
+                trained=self._guarded_params(),
+                unchanged=self._unchanged if objects is None else None,
+                slot=(ram[0], self._ram.layout) if ram is not None and self._ram is not None else None,
+                ram_only=ram_only,
             )
         except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
             self._stager.use(None)
@@ -341,6 +365,8 @@ class SavePath:
         try:
             snap.wait_ready()
             self._ram.commit(snap, snap.ram_slot, self._persister.pool)
+            staged = {it.plan.key for it in snap.staged}
+            self._unchanged.ram_committed((snap.ram_slot, self._ram.layout), snap.fingerprints, staged)
         except Exception as err:
             self._ram.stand_down(
                 f"the RAM snapshot of step {snap.step} failed ({type(err).__name__}: {err}): the RAM tier "
@@ -379,6 +405,13 @@ class SavePath:
             self._save_failed(snap.step, err)
             raise  # held by the handle (SaveHandle.error); wait() never raises it
         self.last_commit = info
+        # what the next save may reference (engine/unchanged.py), and what changed behind its back
+        if snap.fingerprints:
+            self._unchanged.committed(snap.fingerprints, info.entries)
+        for key in info.changed:
+            self._unchanged.changed(key, snap.step)
+        for key in info.restage:  # its blob is damaged: the next save copies it and writes it again
+            self._unchanged.forget(key)
         repaired = self._persister.scrubbed.get("repaired") if self._persister.scrub is not None else None
         if repaired:
             logger.warning(

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.state.optstate import moment_keys, param_shapes
 from smartckpt_cli.state.tiers import EntryPlan, TierRule, classify
 from smartckpt_cli.state.tree import flatten
@@ -57,9 +58,19 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Item:
     plan: EntryPlan
-    tensor: torch.Tensor  # the staged copy: CPU, contiguous
+    tensor: torch.Tensor | None  # the staged copy: CPU, contiguous; None: referenced (``ref``)
     dtype: torch.dtype
     shape: list[int]
+    # Unchanged since the last committed checkpoint (engine/unchanged.py): its manifest entry
+    # there, used as it is (nothing copied, hashed or written); None: staged.
+    ref: dict[str, Any] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 @dataclass
@@ -83,6 +94,18 @@ class Snapshot:
     # Called by the writer right before the manifest is written (save thread): the resume check
     # adds what the step after the save computed, when it came in time (resumecheck.py).
     before_manifest: Any = None
+    # Every tensor's fingerprint at this snapshot (engine/unchanged.py), for what commits next.
+    fingerprints: dict[str, Any] = field(default_factory=dict)
+    # The rotation's share of referenced bytes to hash again: (key, the bytes, their raw hash).
+    verify: list[tuple[str, torch.Tensor, str]] = field(default_factory=list)
+    # The RAM tier's hashes of the staged bytes ([length, raw hash] per chunk, by key), set when
+    # it recorded this snapshot: the writer reuses them (each chunk hashed once per save).
+    ram_hashes: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def staged(self) -> list[Item]:
+        """The items copied into staging buffers (not referenced)."""
+        return [i for i in self.items if i.tensor is not None]
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the
@@ -295,17 +318,24 @@ def take_snapshot(
     rules: tuple[TierRule, ...],
     meta: dict[str, Any],
     lazy_params: set[int] | None = None,
+    trained: set[int] | None = None,
+    unchanged: Unchanged | None = None,
+    slot: Any = None,
+    ram_only: bool = False,
 ) -> Snapshot:
     """Copy every registered object's state. ``objects``: name -> (kind, object with state_dict).
 
     ``lazy_params``: the storage pointers of parameters guarded by an optimizer pre-hook; given,
-    those and the optimizers' state are copied lazily (see module docstring), else all eagerly."""
+    those and the optimizers' state are copied lazily (see module docstring), else all eagerly.
+    ``unchanged``: what is proven unchanged since the last committed checkpoint is referenced,
+    not copied (engine/unchanged.py; ``trained``: storage pointers of the parameters optimizers
+    update, never referenced; ``slot``: the RAM slot copied into, ``ram_only``: a RAM snapshot
+    alone)."""
     stager.ready()
     trees: dict[str, dict[str, Any]] = {}
-    items: list[Item] = []
     dropped: list[str] = []
-    lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
-    any_cuda = False
+    found: dict[str, tuple[str, torch.Tensor]] = {}
+    plans: dict[str, EntryPlan] = {}
     for name, (kind, obj) in objects.items():
         sd = obj.state_dict()
         tree, tensors = flatten(sd, name)
@@ -328,19 +358,35 @@ def take_snapshot(
             if not plan.stored:
                 dropped.append(key)
                 continue
-            if lazy_params is not None and (
-                kind == "optimizer" or t.untyped_storage().data_ptr() in lazy_params
-            ):
-                staged = stager.reserve(key, t)
-                lazy.append((staged, t.detach()))
-            else:
-                any_cuda |= t.device.type == "cuda"
-                staged = stager.stage(key, t)
-            items.append(Item(plan, staged, t.dtype, list(t.shape)))
+            found[key], plans[key] = (kind, t), plan
+    # Referenced when unchanged: what no optimizer updates (frozen weights, buffers). A trained
+    # parameter or an optimizer's state changes at every step, and is never worth the doubt.
+    trained = trained if trained is not None else lazy_params or set()
+    candidates = {
+        key: (kind, t)
+        for key, (kind, t) in found.items()
+        if kind != "optimizer" and t.untyped_storage().data_ptr() not in trained
+    }
+    decided = unchanged.decide(candidates, plans, slot, ram_only=ram_only) if unchanged is not None else None
+    items: list[Item] = []
+    lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
+    any_cuda = False
+    for key, (kind, t) in found.items():
+        plan = plans[key]
+        if decided is not None and key in decided.refs:
+            items.append(Item(plan, None, t.dtype, list(t.shape), ref=decided.refs[key]))
+            continue
+        if lazy_params is not None and (kind == "optimizer" or t.untyped_storage().data_ptr() in lazy_params):
+            staged = stager.reserve(key, t)
+            lazy.append((staged, t.detach()))
+        else:
+            any_cuda |= t.device.type == "cuda"
+            staged = stager.stage(key, t)
+        items.append(Item(plan, staged, t.dtype, list(t.shape)))
     # Private buffers are dropped once a snapshot fitted the RAM tier's slot whole (memory stays
     # the slots' alone); else those of entries no longer in the state.
     whole = stager.slot is not None and not stager.missed
-    stager.forget_except(set() if whole else {i.plan.key for i in items})
+    stager.forget_except(set() if whole else {i.plan.key for i in items if i.tensor is not None})
     ready = lazy_event = None
     if any_cuda:
         ready = torch.cuda.Event()
@@ -356,6 +402,25 @@ def take_snapshot(
         lazy_event.record(stream)
     snap = Snapshot(step, reason, score, trees, items, meta, ready=ready, dropped=dropped, lazy=lazy)
     snap.lazy_event = lazy_event
+    if decided is not None:
+        snap.fingerprints = decided.fps
+        snap.verify = _verify_bytes(decided.verify, found)
     if not lazy:
         snap.copied.set()
     return snap
+
+
+def _verify_bytes(
+    jobs: list[tuple[str, int, int, str]], found: dict[str, tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor, str]]:
+    """The rotation's bytes of referenced tensors (engine/unchanged.py): read in place on the CPU
+    (hashed later, in the background: a frozen tensor does not move under it), copied off a
+    device. A non-contiguous tensor is left out (its bytes are not one run)."""
+    out = []
+    for key, start, length, raw_hash in jobs:
+        t = found[key][1].detach()
+        if not t.is_contiguous():
+            continue
+        piece = t.reshape(-1).view(torch.uint8)[start : start + length]
+        out.append((key, piece if piece.device.type == "cpu" else piece.cpu(), raw_hash))
+    return out

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -63,12 +63,18 @@ class CommitInfo:
     bytes_raw: int  # bytes of the state before precision reduction and compression
     seconds: float
     health: str = "ok"
+    # this rank's manifest entries, and the keys found changed behind their version counter
+    # (engine/unchanged.py: what the next save may reference)
+    entries: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    changed: tuple[str, ...] = ()
+    restage: tuple[str, ...] = ()  # referenced entries whose blob is damaged: the next save copies them
 
 
 @dataclass
 class _Chunk:
     view: memoryview
     itemsize: int
+    raw_hash: str | None = None  # known already: the RAM tier hashed these very bytes this save
 
 
 class Persister:
@@ -98,6 +104,7 @@ class Persister:
         # encoded again, let alone written.
         self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
         self._begun: set[str] = set()  # blobs this save started writing (not yet named)
+        self._damaged: set[str] = set()  # referenced blobs found damaged: the next write rewrites them
         self._begun_lock = threading.Lock()
         # Re-hashes a share of the blobs each save reuses (store/scrub.py); None: off.
         self.scrub: Scrubber | None = None
@@ -115,10 +122,19 @@ class Persister:
                     self.known[(rh, raw_len)] = (bid, cod, enc_len)
 
     def _streams(
-        self, item_tensor: torch.Tensor, transform: str
+        self, item_tensor: torch.Tensor, transform: str, known: list[Any] | None = None
     ) -> tuple[precision.Reduced, list[_Chunk], list[_Chunk]]:
+        """``known``: ``[length, raw hash]`` of the tensor's bytes cut every chunk (the RAM
+        tier's, of this snapshot): reused where the stored bytes are those bytes, cut the same."""
         red = precision.reduce(item_tensor, transform)
         data = self._split(precision.tensor_bytes(red.stored), red.stored.element_size())
+        if (
+            known is not None
+            and red.transform == "none"
+            and [len(c.view) for c in data] == [k[0] for k in known]
+        ):
+            for c, k in zip(data, known, strict=True):
+                c.raw_hash = str(k[1])
         patch: list[_Chunk] = []
         if red.patch_index is not None and red.patch_value is not None:
             raw = (
@@ -138,10 +154,12 @@ class Persister:
         """Returns ([blob id, codec, raw len, raw hash, encoded len], the pending write of a new
         blob or None when identical content is already stored)."""
         raw_len = len(chunk.view)
-        rh = codec.raw_hash(chunk.view)
+        rh = chunk.raw_hash if chunk.raw_hash is not None else codec.raw_hash(chunk.view)
         hit = self.known.get((rh, raw_len))
         rewrite = False
-        if hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
+        if hit is not None and hit[0] in self._damaged and hit[0] not in self._begun:
+            rewrite = True  # found damaged while referenced (_scrub_referenced): written again now
+        elif hit is not None and (hit[0] in self._begun or self.blobs.has(hit[0])):
             if hit[0] in self._begun or self.scrub is None or not self.scrub.wants(hit[0], hit[2]):
                 return [hit[0], hit[1], raw_len, rh, hit[2]], None
             sound = self.blobs.verify(hit[0]) is None
@@ -170,6 +188,10 @@ class Persister:
                 bid,
             )
         bid, pending = self.blobs.begin(parts, bid, rewrite=rewrite)
+        if rewrite and hit is not None:
+            self._damaged.discard(hit[0])
+            if self.scrub is not None:  # what the save's log line and journal event report
+                self.scrub.checked(hit[0], False)
         fault_point("blob.stored")
         self.known[(rh, raw_len)] = (bid, name, enc_len)
         return [bid, name, raw_len, rh, enc_len], pending
@@ -193,11 +215,56 @@ class Persister:
             written.bytes_raw,
             time.perf_counter() - t0,
             written.health,
+            written.entries,
+            tuple(written.changed),
+            tuple(written.restage),
         )
 
     def write_entries(self, snap: Snapshot, items: list[Any]) -> Written:
-        """Phase 1 for ``items``: every blob durable; returns their manifest entries."""
-        reduced = list(self.pool.map(lambda it: self._streams(it.tensor, it.plan.transform), items))
+        """Phase 1 for ``items``: every blob durable; returns their manifest entries. A
+        referenced item (unchanged since the last committed checkpoint: engine/unchanged.py) is
+        that checkpoint's entry as it is: nothing read, hashed or written for it."""
+        referenced = [it for it in items if it.tensor is None]
+        written = self._write_staged(snap, [it for it in items if it.tensor is not None], referenced)
+        for it in referenced:
+            written.entries[it.plan.key] = dict(it.ref)
+            written.bytes_total += sum(int(c[4]) for s in _streams_of(it.ref) for c in s)
+            written.bytes_raw += it.nbytes
+        # The rotation's share of referenced bytes, hashed again: other bytes than the entry's
+        # mean the tensor changed behind its version counter (engine/unchanged.py).
+        hashed = self.pool.map(lambda job: codec.raw_hash(precision.tensor_bytes(job[1])), snap.verify)
+        written.changed = sorted(
+            {key for (key, _, want), got in zip(snap.verify, hashed, strict=True) if got != want}
+        )
+        return written
+
+    def _scrub_referenced(self, referenced: list[Any]) -> list[str]:
+        """The scrub's share of the blobs referenced entries name (their bytes were not read:
+        bit rot in them is found here). A damaged blob is written again from the live tensor by
+        the next save, which copies it: the keys returned."""
+        if self.scrub is None:
+            return []
+        again = []
+        for it in referenced:
+            for stream in _streams_of(it.ref):
+                for c in stream:
+                    bid, enc_len = str(c[0]), int(c[4])
+                    if bid in self._damaged or not self.scrub.wants(bid, enc_len):
+                        continue
+                    if self.blobs.verify(bid) is None:
+                        self.scrub.checked(bid, True)
+                    else:  # reported as repaired by the save that writes it again
+                        self._damaged.add(bid)
+                        again.append(it.plan.key)
+        return sorted(set(again))
+
+    def _write_staged(self, snap: Snapshot, items: list[Any], referenced: list[Any] | None = None) -> Written:
+        known = snap.ram_hashes  # hashed once per save: by the RAM tier, when it took this snapshot
+        reduced = list(
+            self.pool.map(
+                lambda it: self._streams(it.tensor, it.plan.transform, known.get(it.plan.key)), items
+            )
+        )
         jobs: list[_Chunk] = []
         layout: list[tuple[int, int, int]] = []  # per item: data chunk count, patch chunk count, patch n
         for red, data, patch in reduced:
@@ -208,6 +275,7 @@ class Persister:
         self._begun.clear()
         if self.scrub is not None:
             self.scrub.begin_save(self._last_new)
+        damaged = self._scrub_referenced(referenced or [])
         results = _gather([self.pool.submit(self._put, job) for job in jobs], lambda r: r[1])
         pending = [p for _, p in results if p is not None]
         _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
@@ -244,7 +312,7 @@ class Persister:
                 "data": {"chunks": data_chunks},
                 "patch": {"n": n_patch, "chunks": patch_chunks} if n_patch else None,
             }
-        return Written(entries, bytes_new, bytes_total, bytes_raw, health)
+        return Written(entries, bytes_new, bytes_total, bytes_raw, health, restage=damaged)
 
     def write_manifest(
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
@@ -309,6 +377,12 @@ class Written:
     bytes_total: int
     bytes_raw: int
     health: str
+    changed: list[str] = field(default_factory=list)  # keys found changed behind their counter
+    restage: list[str] = field(default_factory=list)  # referenced keys whose blob is damaged
+
+
+def _streams_of(entry: dict[str, Any]) -> list[list[Any]]:
+    return [list((entry.get(s) or {}).get("chunks", [])) for s in ("data", "patch")]
 
 
 def _gather(futures: list[Any], pending_of: Any, cleanup: list[Pending] | None = None) -> list[Any]:

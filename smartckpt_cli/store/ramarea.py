@@ -49,6 +49,7 @@ __all__ = [
     "ENV_AREA",
     "ENV_BYTES",
     "FLASH_LOCK",
+    "PAGE",
     "RAM_FORMAT",
     "RAM_VERSION",
     "Slot",
@@ -71,6 +72,7 @@ FLASH_LOCK = "flash.lock"  # in the area: held by smartckpt run while a flash pe
 RAM_FORMAT = "smartckpt-ram"
 RAM_VERSION = 1
 ALIGN = 64  # every entry starts on a cache line (and on any dtype's alignment)
+PAGE = mmap.PAGESIZE
 
 
 def layout(sizes: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
