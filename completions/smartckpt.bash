@@ -13,7 +13,7 @@ _smartckpt() {
     cmd="${words[0]}"
     [[ "$cmd" == "config" && -n "${words[1]}" ]] && cmd="config ${words[1]}"
     case "$cmd" in
-        "") COMPREPLY=($(compgen -W "demo inspect ls verify prune rollback export plot completions bench simulate run config -h --help" -- "$cur")); return ;;
+        "") COMPREPLY=($(compgen -W "demo inspect ls verify prune rollback export plot completions bench simulate run config --version -h --help" -- "$cur")); return ;;
         "config") COMPREPLY=($(compgen -W "show -h --help" -- "$cur")); return ;;
     esac
     case "$cmd" in
@@ -40,7 +40,7 @@ _smartckpt() {
                 --meta-dir) COMPREPLY=($(compgen -f -- "$cur")); return ;;
                 --remote) COMPREPLY=(); return ;;
             esac
-            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record --meta-dir --remote -h --help" -- "$cur")) && return
+            [[ "$cur" == -* ]] && COMPREPLY=($(compgen -W "--step --all --json --workers --record --no-record --repair --meta-dir --remote -h --help" -- "$cur")) && return
             ;;
         "prune")
             case "$prev" in

@@ -29,6 +29,7 @@ complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l all -d 'Verify 
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l json -d 'Machine-readable output.'
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l workers -x -d 'Hashing threads (0: one per CPU, at least 4).'
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l record -l no-record -d 'Note the outcome in the journal, for inspect.'
+complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l repair -d 'Rebuild the journal from the manifests no journal line names (those that...'
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l meta-dir -r -d 'Where the journal lives, when the run put it apart from the blobs (meta_dir).'
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -l remote -x -d 'Also the remote copy: s3://bucket/prefix, file:///path... (credentials: the...'
 complete -c smartckpt -n '__fish_seen_subcommand_from verify' -s h -l help -d 'Show this message and exit.'

@@ -21,6 +21,7 @@ _smartckpt() {
   )
   local curcontext=$curcontext state line
   _arguments -C \
+    '--version[Print the version and exit.]' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \
     '1: :->command' \
     '*:: :->args'
@@ -69,6 +70,7 @@ _smartckpt_verify() {
     '--json[Machine-readable output.]' \
     '--workers[Hashing threads (0 - one per CPU, at least 4).]:workers: ' \
     '--record[Note the outcome in the journal, for inspect.]' '--no-record[Note the outcome in the journal, for inspect.]' \
+    '--repair[Rebuild the journal from the manifests no journal line names (those that...]' \
     '--meta-dir[Where the journal lives, when the run put it apart from the blobs (meta_dir).]:meta-dir:_files' \
     '--remote[Also the remote copy - s3 -//bucket/prefix, file -///path... (credentials - the...]:remote: ' \
     '(-h --help)'{-h,--help}'[Show this message and exit.]' \

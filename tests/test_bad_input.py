@@ -531,3 +531,43 @@ def test_permission_denied_directory_as_real_processes(tmp_path: Path) -> None:
         assert err.strip().splitlines() == [f"smartckpt: error: cannot open {store}: permission denied"], name
     _assert_nothing_lost(before, _tree(store))
     assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (
+            ["run", "--hang-timeout", "x", "train.py"],
+            ["Invalid value for '--hang-timeout'", "(smartckpt run -h)"],
+        ),
+        (["--bogus"], ["No such option: --bogus", "(smartckpt -h)"]),
+        (["inspect"], ["Missing argument", "(smartckpt inspect -h)"]),
+        (["verify", "ck", "--step", "many"], ["Invalid value for '--step'"]),
+        (["run", "--dir", "{file}", "{script}"], ["--dir", "is not a directory"]),
+        (["run", "--bogus", "{script}"], ["no such option: --bogus", "smartckpt run -h"]),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    argv: list[str], words: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """What click would box in a panel and typer's usage hint is one line in the one format."""
+    (tmp_path / "afile.txt").write_text("not a directory\n")
+    (tmp_path / "train.py").write_text("print('hello')\n")
+    argv = [a.format(file=tmp_path / "afile.txt", script=tmp_path / "train.py") for a in argv]
+    code, out, err = _main(argv, monkeypatch, capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("smartckpt: error: "), err
+    for w in words:
+        assert w in lines[0], lines[0]
+    assert "Traceback" not in err and "╭" not in err
+    assert (
+        not (tmp_path / "afile.txt").is_dir() and (tmp_path / "afile.txt").read_text() == "not a directory\n"
+    )
+
+
+def test_version(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from smartckpt_cli.version import __version__
+
+    code, out, err = _main(["--version"], monkeypatch, capsys)
+    assert code == 0 and out.strip() == f"smartckpt {__version__}" and err == ""

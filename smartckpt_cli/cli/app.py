@@ -23,6 +23,14 @@ from rich.markup import escape
 from smartckpt_cli.cli import completions, config_cmd, export, inspect_cmd, plot, prune, rollback, verify
 from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
 
+try:  # typer vendors click from 0.2x on; before, it is click itself
+    from typer._click import exceptions as _click_errors
+except ImportError:  # pragma: no cover - an older typer
+    from click import exceptions as _click_errors  # type: ignore[no-redef]
+
+UsageError = _click_errors.UsageError
+NoArgsIsHelp = getattr(_click_errors, "NoArgsIsHelpError", None)  # click 8.2 on
+
 app = typer.Typer(
     name="smartckpt",
     help="Adaptive, tiered, verified checkpointing for PyTorch training.",
@@ -35,6 +43,24 @@ console = Console()
 err_console = Console(stderr=True)
 
 DirArg = Annotated[Path, typer.Argument(help="Checkpoint store directory.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from smartckpt_cli.version import __version__
+
+        console.print(f"smartckpt {__version__}", markup=False, highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Adaptive, tiered, verified checkpointing for PyTorch training."""
 
 
 @app.command()
@@ -370,7 +396,16 @@ def main() -> None:
 
 def _run() -> None:
     try:
-        app()
+        # usage errors come here: one line, not click's box
+        code = app(standalone_mode=False, prog_name="smartckpt")
+    except UsageError as err:
+        if NoArgsIsHelp is not None and isinstance(err, NoArgsIsHelp) and err.ctx is not None:
+            console.print(err.ctx.get_help(), markup=False, highlight=False)
+            sys.exit(EXIT_USAGE)
+        where = f" ({err.ctx.command_path} -h)" if err.ctx is not None else " (smartckpt -h)"
+        line = " ".join(err.format_message().split())
+        err_console.print(f"smartckpt: error: {line}{where}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(EXIT_USAGE)
     except SmartckptError as err:
         err_console.print(f"smartckpt: error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(err.exit_code)
@@ -391,6 +426,7 @@ def _run() -> None:
     except OSError as err:
         err_console.print(f"smartckpt: error: {err}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(EXIT_USAGE if isinstance(err, FileNotFoundError | PermissionError) else 1)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ def run_command(
 ) -> int:
     if not args:
         raise ConfigError("no command: give a script (smartckpt run train.py) or -- CMD ...")
+    if args[0].startswith("-"):  # no program is named like an option: an option run does not know
+        raise ConfigError(f"no such option: {args[0]} (smartckpt run -h; options go before the script)")
     if every is not None:
         try:
             overrides["every_steps"], overrides["every_seconds"] = parse_every(every)
@@ -124,6 +126,9 @@ def run_command(
         raise ConfigError(f"script {args[0]} does not exist")
     if shutil.which(command[0]) is None:
         raise ConfigError(f"command {command[0]!r} not found")
+    for name, where in (("--dir", settings.dir), ("meta_dir", settings.meta_dir)):
+        if where is not None and Path(where).exists() and not Path(where).is_dir():
+            raise ConfigError(f"{name} {where} is not a directory")
     tty = sys.stdout.isatty()
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -227,8 +232,9 @@ def _attempt_line(a: AttemptRecord, followed: bool) -> str:
         began = f"began again at step 0 ({a.began_again})"
     else:
         began = f"began at step {a.start_step}"
+    # the step first: a cause may name a step of its own ("boom at step 20")
     at = f" at step {a.max_step}" if a.max_step is not None else " before its first step"
-    end = f"finished{at}" if a.category == "done" else f"{a.cause or 'ended'}{at}"
+    end = f"finished{at}" if a.category == "done" else f"ended{at}: {a.cause or 'no cause known'}"
     line = f"attempt {a.attempt}: {began}; {end}"
     if a.restart_from is not None:
         lost = f"{a.steps_lost} step(s)" if a.steps_lost is not None else "an unknown number of steps"

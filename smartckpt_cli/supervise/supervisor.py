@@ -229,9 +229,7 @@ class Supervisor:
             if outcome.action == "stop" and outcome.category == "remote-unreachable":
                 return self._finish("remote-unreachable", outcome.exit_code, outcome.cause, "error")
             if outcome.action == "stop":
-                return self._finish(
-                    "failed", outcome.exit_code, f"not restarting: the child {outcome.cause}", "error"
-                )
+                return self._finish("failed", outcome.exit_code, f"not restarting: {outcome.cause}", "error")
             # restart
             max_committed = att.max_committed if att.max_committed is not None else att.began
             verdict = self.crash.record(att.began, max_committed)
@@ -283,7 +281,7 @@ class Supervisor:
             when = f"in {att.delay:.1f} s" if att.delay > 0 else "now"
             self.emit(
                 "warning",
-                f"attempt {att.attempt} {outcome.cause}{at}; lost {lost}{att.seconds_lost or 0:.1f} s of work; "
+                f"attempt {att.attempt} ended{at}: {outcome.cause}; lost {lost}{att.seconds_lost or 0:.1f} s of work; "
                 f"restarting from step {att.restart_from} {when} "
                 f"(restart {self.record.restarts + 1} of at most {self.s.max_restarts})",
             )
