@@ -96,7 +96,8 @@ def readme_cost(s: Any) -> list[str]:
     if len(cols) < 3:
         out += [
             "",
-            "GPU: pending (`bash benchmarks/gpu_check.sh RESULTS_DIR` fills this table's GPU column).",
+            "These figures are the CPU's: `bash benchmarks/gpu_check.sh RESULTS_DIR`, run on a GPU machine, adds",
+            "a GPU column.",
         ]
     return out
 
@@ -832,4 +833,40 @@ def ddp_sum_order(s: Any) -> list[str]:
                 ]
             )
         )
+    return out
+
+
+@section("save-what-changed")
+def save_what_changed(s: Any) -> list[str]:
+    f = "save_what_changed"
+    d = s.details(f)
+    frozen = 100 * d["frozen_bytes"] / d["state_bytes"]
+    out = [
+        _row(["state registered", "copied and hashed per save", "the save call", "the background persist"]),
+        _row(["---"] * 4),
+    ]
+    for tag, label in (
+        ("whole_model", f"the whole model ({frozen:.0f} % of its weights frozen)"),
+        ("adapters_alone", "its adapters alone"),
+    ):
+        out.append(
+            _row(
+                [
+                    label,
+                    s.fig(f, f"{tag}_bytes_copied", "{:.2f}", unit="MB"),
+                    s.fig(f, f"{tag}_save_call", "{:.1f}", unit="ms"),
+                    s.fig(f, f"{tag}_persist", "{:.1f}", unit="ms"),
+                ]
+            )
+        )
+    out.append(
+        _row(
+            [
+                "whole / adapters alone",
+                f"**{s.fig(f, 'copied_ratio', '{:.2f}')}**",
+                f"**{s.fig(f, 'save_call_ratio', '{:.2f}')}**",
+                "",
+            ]
+        )
+    )
     return out
