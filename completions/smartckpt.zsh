@@ -12,7 +12,7 @@ _smartckpt() {
     'prune:Remove old checkpoints and unreferenced blobs, never the newest verified one.'
     'rollback:Make the next resume start from an earlier checkpoint (or --undo that).'
     'export:Write a checkpoint as a torch or safetensors file that loads without smartckpt.'
-    'plot:Draw a run'\''s timeline - loss and signals, every checkpoint by reason and health,'
+    'plot:Draw a run'\''s timeline - loss and signals, every checkpoint by reason and...'
     'completions:Print the bash, zsh or fish completion script for smartckpt.'
     'bench:Measure smartckpt against torch.save, torch.distributed.checkpoint and the...'
     'simulate:Replay a signal trace under the fixed, seed and adaptive policies at the same...'
@@ -189,7 +189,7 @@ _smartckpt_run() {
 _smartckpt_config() {
   local -a commands
   commands=(
-    'show:Print every setting'\''s effective value and its source - default, the YAML file,'
+    'show:Print every setting'\''s effective value and its source - default, the YAML file,...'
   )
   local curcontext=$curcontext state line
   _arguments -C \

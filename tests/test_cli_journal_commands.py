@@ -411,6 +411,48 @@ def test_help_has_an_example(command: list[str], flag: str) -> None:
     assert "Example" in text and f"smartckpt {command[0] if command[0] != 'ls' else ''}".strip() in text
 
 
+_EVERY_COMMAND = [
+    ["run"],
+    ["inspect"],
+    ["verify"],
+    ["prune"],
+    ["rollback"],
+    ["export"],
+    ["plot"],
+    ["simulate"],
+    ["bench"],
+    ["demo"],
+    ["config", "show"],
+    ["completions"],
+]
+
+
+@pytest.mark.parametrize("command", _EVERY_COMMAND, ids=lambda c: "-".join(c))
+def test_help_fits_80_columns_and_wraps_whole_paragraphs(command: list[str]) -> None:
+    """At 80 columns no line of the help is longer than the terminal (an example or an exit
+    code line cut in two reads wrong), and a prose paragraph wraps as one: only its last line
+    is short (the docstring's own line breaks would cut it twice per line)."""
+    import itertools
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    code = "from smartckpt_cli.cli.app import main; main()"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *command, "-h"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [ln for ln in lines if len(ln) > 80] == []
+    # Prose: indented by one space (rich's margin), not a usage line, not a framed table.
+    prose = [
+        ln.rstrip() if ln.startswith(" ") and not ln.startswith("  ") and ln.strip() else "" for ln in lines
+    ]
+    cut = [a for a, b in itertools.pairwise(prose) if a and b and not a.startswith(" Usage") and len(a) < 55]
+    assert cut == [], cut
+
+
 def test_a_store_with_its_journal_elsewhere(tmp_path: Path) -> None:
     import torch
 

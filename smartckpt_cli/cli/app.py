@@ -7,6 +7,7 @@ Exit codes: 0 success, 1 the operation failed (a corrupt or missing checkpoint),
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import shlex
@@ -343,7 +344,7 @@ def run_cmd(
     crashes from the newest verified checkpoint.
 
     \b
-      smartckpt run train.py --lr 3e-4            (python train.py with this interpreter)
+      smartckpt run train.py --lr 3e-4     (python train.py, this interpreter)
       smartckpt run --every 30s -- torchrun --nproc_per_node 2 train.py
 
     Options go before the script; everything from the script (or after --) is the command.
@@ -359,9 +360,11 @@ def run_cmd(
       128+N    stopped by signal N (SIGTERM: 143) that was passed to the child
       2        bad input (a missing script, a bad option or setting)
       3        gave up: max_restarts reached
-      4        crash loop: the same failure after a rollback to the previous checkpoint
-      5        nothing to resume locally and the remote unreachable for --remote-start-wait:
-               not started over at step 0 (--remote-start-fresh does, deliberately)
+      4        crash loop: the same failure after a rollback to the previous
+               checkpoint
+      5        nothing to resume locally and the remote unreachable for
+               --remote-start-wait: not started over at step 0
+               (--remote-start-fresh does, deliberately)
     """
     from smartckpt_cli.cli.run import run_command
 
@@ -379,6 +382,35 @@ def run_cmd(
     raise typer.Exit(
         run_command(list(command or []), overrides, config, every, resume_finished=resume_finished)
     )
+
+
+def _reflow(doc: str | None) -> str | None:
+    """A command's help with each paragraph on one line, for the help to wrap at the terminal's
+    width (a docstring's own line breaks, made for the source, cut every line twice at 80
+    columns). Blocks marked ``\\b`` and indented blocks (examples) keep their lines."""
+    if not doc:
+        return doc
+    out: list[str] = []
+    for block in inspect.cleandoc(doc).split("\n\n"):
+        lines = block.split("\n")
+        fixed = lines[0].strip() == "\b" or any(ln.startswith(" ") for ln in lines)
+        out.append(block if fixed else " ".join(ln.strip() for ln in lines))
+    return "\n\n".join(out)
+
+
+def _reflow_all(typer_app: typer.Typer) -> None:
+    for info in typer_app.registered_commands:
+        if info.callback is not None:
+            info.callback.__doc__ = _reflow(info.callback.__doc__)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _reflow_all(group.typer_instance)
+    callback = typer_app.registered_callback
+    if callback is not None and callback.callback is not None:
+        callback.callback.__doc__ = _reflow(callback.callback.__doc__)
+
+
+_reflow_all(app)
 
 
 def main() -> None:

@@ -26,10 +26,12 @@ def completions(
 
     \b
     Examples:
-      smartckpt completions bash > ~/.local/share/bash-completion/completions/smartckpt
+      smartckpt completions bash \\
+        > ~/.local/share/bash-completion/completions/smartckpt
       smartckpt completions zsh > "${fpath[1]}/_smartckpt"
       smartckpt completions fish > ~/.config/fish/completions/smartckpt.fish
-      for s in bash zsh fish; do smartckpt completions $s > completions/smartckpt.$s; done
+      for s in bash zsh fish; do
+        smartckpt completions $s > completions/smartckpt.$s; done
     """
     from smartckpt_cli.cli.completion_scripts import render
 

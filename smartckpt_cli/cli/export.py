@@ -44,14 +44,15 @@ def export(
     Examples:
       smartckpt export ./checkpoints model.pt --weights-only
         then: model.load_state_dict(torch.load("model.pt", weights_only=True))
-      smartckpt export ./checkpoints step1200.safetensors --step 1200 --format safetensors
+      smartckpt export ./checkpoints step1200.safetensors --step 1200 \\
+        --format safetensors
 
     \b
     Exit codes:
       0  written
       1  the checkpoint is corrupt or the store has none
-      2  bad input: not a store, no such step, OUT exists, safetensors not installed, a
-         multi-rank layout that cannot be consolidated (2-D mesh)
+      2  bad input: not a store, no such step, OUT exists, safetensors not
+         installed, a multi-rank layout that cannot be consolidated (2-D mesh)
     """
     from smartckpt_cli.ops.export import export as run_export
     from smartckpt_cli.store.directory import open_store

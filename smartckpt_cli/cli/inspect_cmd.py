@@ -34,9 +34,9 @@ def inspect(
     \b
     Examples:
       smartckpt inspect ./checkpoints
-      smartckpt ls ./checkpoints --step 1200          (one manifest, tensor by tensor)
+      smartckpt ls ./checkpoints --step 1200        (one manifest, tensor by tensor)
       smartckpt inspect ./checkpoints --json | jq '.checkpoints[0].step'
-      smartckpt inspect ./checkpoints --remote s3://bucket/run1   (upload lag, remote side)
+      smartckpt inspect ./checkpoints --remote s3://bucket/run1     (upload lag)
 
     With a remote tier, a last line tells how many committed checkpoints are not remote yet
     (from the uploader's status file, or from the remote itself with --remote).

@@ -85,7 +85,8 @@ def plot(
       smartckpt plot ./checkpoints                       (writes run.png)
       smartckpt plot ./checkpoints -o run.svg --x step --steps 1000:2000
       smartckpt plot ./checkpoints --run 20261204-101500-a1b2c3 -o run.html
-      smartckpt plot ./checkpoints --json | jq '.checkpoints[] | select(.category == "precursor")'
+      smartckpt plot ./checkpoints --json \\
+        | jq '.checkpoints[] | select(.category == "precursor")'
 
     Drawing needs matplotlib: pip install 'smartckpt\\[plot]'.
 
@@ -93,8 +94,8 @@ def plot(
     Exit codes:
       0  written (or printed)
       1  DIR holds run records of smartckpt run but no checkpoint
-      2  bad input: not a store, no such run, steps outside the trace, a bad -o name,
-         matplotlib missing
+      2  bad input: not a store, no such run, steps outside the trace, a bad
+         -o name, matplotlib missing
     """
     from smartckpt_cli.config import load_settings
     from smartckpt_cli.timeline import PlotOptions, build_timeline, load_store, parse_steps, recorded_settings

@@ -41,7 +41,7 @@ def prune(
     Examples:
       smartckpt prune ./checkpoints --keep 3 --dry-run
       smartckpt prune ./checkpoints --keep 3
-      smartckpt prune ./checkpoints --keep 3 --remote s3://bucket/run1   (both sides)
+      smartckpt prune ./checkpoints --keep 3 --remote s3://bucket/run1
 
     With --remote, --keep is applied to the remote copy too (a prune object first, then the
     manifests and the blobs no kept checkpoint references). Refused while a run's upload round
@@ -50,9 +50,10 @@ def prune(
     \b
     Exit codes:
       0  pruned (or nothing to prune)
-      1  no checkpoint verifies, the journal is damaged or a manifest unreadable, or a save
-         held the lock past --wait (nothing is removed), the remote is unreachable or a
-         run's upload round is in progress
+      1  no checkpoint verifies, the journal is damaged or a manifest
+         unreadable, or a save held the lock past --wait (nothing is
+         removed), the remote is unreachable or a run's upload round is
+         in progress
       2  bad input: not a store, --keep below 1
     """
     from smartckpt_cli.ops.catalog import active_writer

@@ -35,7 +35,8 @@ def rollback(
     \b
     Exit codes:
       0  recorded
-      1  the target checkpoint is corrupt, or the journal cannot be read or written
+      1  the target checkpoint is corrupt, or the journal cannot be read or
+         written
       2  bad input: not a store, no such step, nothing to roll back or undo
     """
     from smartckpt_cli.errors import CheckpointCorrupt

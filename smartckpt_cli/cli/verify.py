@@ -78,9 +78,9 @@ def verify(
     \b
     Exit codes:
       0  every checked checkpoint is sound (or there is none)
-      1  a checkpoint is corrupt (locally or remotely), the journal has a torn/damaged
-         line, the remote is unreachable, or DIR holds run records of smartckpt run
-         but no checkpoint
+      1  a checkpoint is corrupt (locally or remotely), the journal has a
+         torn/damaged line, the remote is unreachable, or DIR holds run
+         records of smartckpt run but no checkpoint
       2  bad input: not a store, no such step, --step with --all
     """
     from smartckpt_cli.errors import UsageError
