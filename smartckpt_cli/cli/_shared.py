@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -23,6 +24,7 @@ __all__ = [
     "MetaDirOpt",
     "RemoteOpt",
     "err",
+    "fitted_table",
     "human",
     "open_checkpoints",
     "out",
@@ -78,6 +80,31 @@ def out() -> Console:
     if not console.is_terminal:
         console.width = max(console.width, 160)
     return console
+
+
+def fitted_table(
+    title: str | None, columns: Sequence[Any], rows: Sequence[Sequence[str]], console: Console
+) -> tuple[Any, str | None]:
+    """A table of whole cells that fits ``console`` (:func:`smartckpt_cli.cli.fit.fit` picks the
+    columns), and the line naming the columns it left out (None when none). Cells are plain text."""
+    from rich.table import Table
+
+    from smartckpt_cli.cli.fit import FOLD_MIN, fit, natural_width
+
+    chosen = fit(columns, rows, console.width)
+    table = Table(title=escape(title) if title else None, title_justify="left")
+    for i in chosen.shown:
+        c = columns[i]
+        table.add_column(
+            escape(c.header),
+            justify=c.justify,
+            no_wrap=not c.fold,
+            overflow="fold" if c.fold else "ellipsis",
+            min_width=min(natural_width(columns, rows, i), FOLD_MIN) if c.fold else None,
+        )
+    for r in rows:
+        table.add_row(*(escape(r[i]) for i in chosen.shown))
+    return table, chosen.note(console.width)
 
 
 def err() -> Console:

@@ -6,10 +6,18 @@ import json
 from typing import Annotated
 
 import typer
-from rich.markup import escape
-from rich.table import Table
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, open_checkpoints, out, say
+from smartckpt_cli.cli._shared import (
+    DirArg,
+    MetaDirOpt,
+    RemoteOpt,
+    fitted_table,
+    human,
+    open_checkpoints,
+    out,
+    say,
+)
+from smartckpt_cli.cli.fit import Column, table_width
 
 __all__ = ["inspect"]
 
@@ -72,46 +80,60 @@ def inspect(
     if as_json:
         typer.echo(json.dumps({**catalog.to_json(), "remote": remote_view}, indent=2))
         return
-    table = Table(title=f"checkpoints in {escape(str(directory))}", title_justify="left")
+    console = out()
     several = len(catalog.lineages) > 1
-    for col, justify in (
-        ("", "left"),
-        *((("line", "left"),) if several else ()),
-        ("step", "right"),
-        ("time (UTC)", "left"),
-        ("reason", "left"),
-        ("health", "left"),
-        ("ranks", "left"),
-        ("tiers", "left"),
-        ("precision", "left"),
-        ("unique", "right"),
-        ("shared", "right"),
-        ("verified", "left"),
-        ("blobs checked", "left"),
-        ("state", "left"),
-    ):
-        table.add_column(col, justify=justify)
-    for r in catalog.rows:
-        reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
-        verified = {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified]
-        on_disk = r.state != "pruned" and r.manifest_problem is None
-        table.add_row(
-            ">" if r.restore_target else "",
-            *((r.line,) if several else ()),
-            str(r.step),
-            escape((r.utc or "-").replace("T", " ").rstrip("Z")),
-            escape(reason or "-"),
-            r.health if r.manifest_problem is None else "DAMAGED",
-            str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
-            "+".join(r.tiers) if on_disk else "-",
-            r.precision if on_disk else "-",
-            human(r.bytes_unique) if on_disk else "-",
-            human(r.bytes_shared) if on_disk else "-",
-            escape(verified),
-            _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
-            r.state,
-        )
-    out().print(table)
+    columns = [
+        Column(""),
+        *((Column("line"),) if several else ()),
+        Column("step", "right"),
+        Column("time (UTC)", drop=3),
+        Column("reason", drop=4),
+        Column("health", drop=1),
+        Column("ranks", drop=6),
+        Column("tiers", drop=8),
+        Column("precision", drop=10),
+        Column("unique", "right", drop=5),
+        Column("shared", "right", drop=7),
+        Column("verified", drop=2),
+        Column("blobs checked", drop=9),
+        Column("state", drop=1),
+    ]
+
+    def rows(short_time: bool) -> list[list[str]]:
+        cells = []
+        for r in catalog.rows:
+            reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
+            on_disk = r.state != "pruned" and r.manifest_problem is None
+            utc = (r.utc or "-").replace("T", " ").rstrip("Z")
+            cells.append(
+                [
+                    ">" if r.restore_target else "",
+                    *((r.line,) if several else ()),
+                    str(r.step),
+                    utc[5:16] if short_time and r.utc else utc,
+                    reason or "-",
+                    r.health if r.manifest_problem is None else "DAMAGED",
+                    str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
+                    "+".join(r.tiers) if on_disk else "-",
+                    r.precision if on_disk else "-",
+                    human(r.bytes_unique) if on_disk else "-",
+                    human(r.bytes_shared) if on_disk else "-",
+                    {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified],
+                    _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
+                    r.state,
+                ]
+            )
+        return cells
+
+    # On a narrow terminal the time loses its year and seconds before a column is left out.
+    full = rows(short_time=False)
+    cells = (
+        full if table_width(columns, full, range(len(columns))) <= console.width else rows(short_time=True)
+    )
+    table, left_out = fitted_table(f"checkpoints in {directory}", columns, cells, console)
+    console.print(table)
+    if left_out:
+        say(left_out)
     if not catalog.rows and not catalog.unjournalled:
         say("no checkpoint committed yet")
     if several:
@@ -250,33 +272,37 @@ def _render_detail(detail: object) -> None:
             + ", ".join(f"{k} {v}" for k, v in versions.items()),
             markup=False,
         )
-    table = Table(title_justify="left")
-    for col, justify in (
-        ("tensor", "left"),
-        ("tier", "left"),
-        ("dtype", "left"),
-        ("shape", "left"),
-        ("stored as", "left"),
-        ("chunks", "right"),
-        ("raw", "right"),
-        ("on disk", "right"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    columns = [
+        Column("tensor", fold=True),
+        Column("tier", drop=5),
+        Column("dtype", drop=3),
+        Column("shape", drop=1),
+        Column("stored as", drop=6),
+        Column("chunks", "right", drop=7),
+        Column("raw", "right", drop=4),
+        Column("on disk", "right", drop=2),
+    ]
+    cells = []
     for e in detail.entries:
         stored = e.stored_dtype + ("" if e.transform == "none" else f" ({e.transform})")
         if e.patched:
             stored += f" +{e.patched} exact"
-        table.add_row(
-            escape(e.key),
-            e.tier,
-            e.dtype,
-            _shape(e.shape) + (f" of {_shape(e.global_shape)}" if e.global_shape is not None else ""),
-            stored,
-            str(e.chunks),
-            human(e.bytes_raw),
-            human(e.bytes_stored),
+        cells.append(
+            [
+                e.key,
+                e.tier,
+                e.dtype,
+                _shape(e.shape) + (f" of {_shape(e.global_shape)}" if e.global_shape is not None else ""),
+                stored,
+                str(e.chunks),
+                human(e.bytes_raw),
+                human(e.bytes_stored),
+            ]
         )
+    table, left_out = fitted_table(None, columns, cells, console)
     console.print(table)
+    if left_out:
+        console.print(left_out, markup=False)
     if detail.not_stored:
         console.print(f"not stored (L4): {', '.join(detail.not_stored)}", markup=False)
 
