@@ -80,8 +80,9 @@ TROUBLE_NAMES = {
 # wall time (time.time), monotonic-free on purpose: the supervisor compares it with its own
 # time.time(); step; loss (nan when unknown); state; last committed step (-1: none); rank (-1:
 # not distributed); a sequence number bumped at every write, so a torn read (a write racing the
-# read) is detected by reading twice; the trouble flags above.
-HEARTBEAT = struct.Struct("<dqdiqiqi")
+# read) is detected by reading twice; the trouble flags above; the steps the training will take
+# in all (-1: not known), for the live view's ETA.
+HEARTBEAT = struct.Struct("<dqdiqiqiq")
 HEARTBEAT_SIZE = 64
 assert HEARTBEAT.size <= HEARTBEAT_SIZE
 
@@ -97,6 +98,7 @@ class Beat:
     rank: int
     seq: int
     trouble: int = 0
+    total: int = -1
 
     @property
     def state_name(self) -> str:
@@ -152,6 +154,7 @@ class HeartbeatWriter:
         self.state = STARTING
         self.committed = -1
         self.trouble = 0
+        self.total = -1
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self._map: mmap.mmap | None = None
         try:
@@ -168,8 +171,10 @@ class HeartbeatWriter:
         state: int | None = None,
         committed_step: int | None = None,
         trouble: tuple[int, bool] | None = None,
+        total: int | None = None,
     ) -> None:
-        """``trouble``: (flag, on) sets or clears one trouble flag."""
+        """``trouble``: (flag, on) sets or clears one trouble flag; ``total``: the steps the
+        training takes in all."""
         if step is not None:
             self.step = step
         if loss is not None:
@@ -178,6 +183,8 @@ class HeartbeatWriter:
             self.state = state
         if committed_step is not None:
             self.committed = committed_step
+        if total is not None:
+            self.total = total
         if trouble is not None:
             flag, on = trouble
             self.trouble = self.trouble | flag if on else self.trouble & ~flag
@@ -191,6 +198,7 @@ class HeartbeatWriter:
             self.rank,
             self.seq,
             self.trouble,
+            self.total,
         )
         if self._map is not None:
             HEARTBEAT.pack_into(self._map, 0, *fields)
@@ -221,6 +229,6 @@ def read_heartbeat(path: str, pid: int) -> Beat | None:
         except OSError:
             return None
         if len(a) >= HEARTBEAT.size and a == b:
-            t, step, loss, state, committed, rank, seq, trouble = HEARTBEAT.unpack_from(a)
-            return Beat(pid, t, step, loss, state, committed, rank, seq, trouble)
+            t, step, loss, state, committed, rank, seq, trouble, total = HEARTBEAT.unpack_from(a)
+            return Beat(pid, t, step, loss, state, committed, rank, seq, trouble, total)
     return None

@@ -261,9 +261,11 @@ def test_usr1_is_forwarded_the_child_saves_and_without_requeue_the_run_stops(tmp
     (ckpt,) = Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records
     assert ckpt.reason == "preemption (SIGUSR1)" and ckpt.step >= 12
     # not a terminal: periodic plain status lines, as a SLURM log wants them
-    assert re.search(r"^smartckpt: attempt 0, restarts 0, step \d+, loss [\d.e+-]+, .*cpu \d+%", out, re.M), (
-        out
-    )
+    assert re.search(
+        r"^smartckpt: attempt 0, restarts 0, step \d+(, [\d.]+ steps/s)?, loss [\d.e+-]+, .*cpu \d+%",
+        out,
+        re.M,
+    ), out
     assert _record(tmp_path / "ck")["outcome"] == "preempted"
 
 
@@ -352,6 +354,31 @@ def test_panel_and_status_line_render():
     assert "120" in text and "0.25" in text and "step 100" in text and "restarts 2" in text
     line = _status(st)
     assert "step 120" in line and "checkpoint 100" in line and "restarts 2" in line
+    assert "steps/s" not in line and "ETA" not in line  # neither a rate nor a total known yet
+    st.total, st.rate = 1000, 2.0
+    assert "step 120 of 1000 (12%), 2 steps/s, ETA 7m20s" in _status(st)
+    console = Console(record=True, width=120)
+    console.print(_panel(st))
+    assert "120 of 1000 (12%), 2 steps/s, ETA 7m20s; loss 0.25" in console.export_text()
+
+
+def test_the_pace_follows_the_last_half_minute_and_a_restart_starts_it_afresh():
+    from smartckpt_cli.supervise.pace import WINDOW, Pace, eta_text
+
+    pace = Pace()
+    assert pace.rate(0.0) is None
+    for t in range(0, 61):  # 1 step/s for a minute, then 4 steps/s
+        pace.note(float(t), t)
+    assert pace.rate(60.0) == pytest.approx(1.0)
+    for i in range(1, 121):
+        pace.note(60.0 + i / 4, 60 + i)
+    # the window holds only the fast half minute (and the one sample before it)
+    assert pace.rate(90.0) == pytest.approx(4.0, rel=0.05)
+    assert pace.rate(90.0 + WINDOW) < 2.1  # no step for a while: the rate falls
+    pace.note(100.0, 10)  # a restart from step 10
+    assert pace.rate(100.0) is None
+    assert eta_text(10, 100, 1.5) == "ETA 1m00s" and eta_text(0, 36000, 1.0) == "ETA 10h00m"
+    assert eta_text(5, None, 1.0) is None and eta_text(100, 100, 1.0) is None
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path, child_env):
@@ -470,6 +497,68 @@ def test_ctrl_c_saves_at_the_next_step_without_a_traceback_and_resumes_bit_exact
     assert rc == 0, out
     assert f"start {ckpt.step}" in out
     assert_same_state(torch.load(tmp_path / "final.pt", weights_only=True), ref)
+
+
+def _on_a_terminal_ctrl_c(
+    tmp_path: Path, env: dict[str, str], args: list[str], at_step: int
+) -> tuple[int, str]:
+    """``smartckpt run`` on a real pseudo-terminal (its live panel on), its controlling terminal;
+    when the child prints ``step {at_step}``, the terminal's interrupt character (Ctrl-C) is
+    typed: the terminal itself sends SIGINT to its foreground process group."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+
+    def controlling_terminal() -> None:  # after setsid (start_new_session): the pty becomes ours
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "smartckpt_cli.cli.app", "run", *args],
+        cwd=tmp_path, env={**env, "TERM": "xterm", "COLUMNS": "120"},
+        stdin=slave, stdout=slave, stderr=slave, start_new_session=True, preexec_fn=controlling_terminal,
+    )  # fmt: skip
+    os.close(slave)
+    text, typed = b"", False
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: every process holding the terminal has gone
+            break
+        if not data:
+            break
+        text += data
+        if not typed and re.search(
+            rb"(^|\x1b\[[0-9;?]*[A-Za-z])step %d " % at_step, text.replace(b"\r", b""), re.M
+        ):
+            os.write(master, b"\x03")
+            typed = True
+    rc = proc.wait(timeout=60)
+    os.close(master)
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text.decode(errors="replace")).replace("\r", "")
+    assert typed, plain
+    return rc, plain
+
+
+def test_the_live_panel_shows_the_pace_and_agrees_with_the_summary_after_ctrl_c(tmp_path, child_env):
+    """On a terminal: the panel shows the step of the total, steps/s and an ETA (the script said
+    its total through start_step(total=)); Ctrl-C typed on the terminal saves and stops, and the
+    panel's last frame counts the checkpoints the summary counts."""
+    env = _env(child_env)
+    args = ["--dir", "ck", "--every", "5", str(ZERO_CODE), "--total", str(TOTAL), "--step-time", "0.1"]
+    rc, out = _on_a_terminal_ctrl_c(tmp_path, env, args, at_step=17)
+    assert rc == 128 + signal.SIGINT, out
+    assert "Traceback" not in out, out
+    assert re.search(rf"\d+ of {TOTAL} \(\d+%\), [\d.]+ steps/s, ETA \d+s", out), out
+    panel = [int(n) for n in re.findall(r"(\d+) this run", out)]
+    (summary,) = [int(n) for n in re.findall(r"(\d+) checkpoint\(s\) taken", out)]
+    steps = [r.step for r in Journal(LocalStorage(tmp_path / "ck"), tmp_path / "ck").read().records]
+    assert summary == len(steps) and summary >= 4, (steps, out)  # 5, 10, 15 and the last one
+    assert panel and panel[-1] == summary, out
 
 
 def test_a_stop_whose_save_never_came_counts_the_steps_it_lost(tmp_path, child_env):

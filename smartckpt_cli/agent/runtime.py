@@ -45,6 +45,7 @@ from smartckpt_cli.engine.heartbeat import (
     register_exit,
     run_dir,
     set_done_at_exit,
+    total_steps,
     trouble,
 )
 from smartckpt_cli.engine.report import note, report
@@ -324,14 +325,16 @@ def manager_created(manager: Any) -> None:
         report(start_step=None, restored_from=None, start_step_called=None, checkpoint=None, lineage=None)
 
 
-def start_step() -> int:
+def start_step(total: int | None = None) -> int:
     """The step to start a plain loop from. Under ``smartckpt run``: the step of the newest verified
     checkpoint, restored into the model(s), optimizer(s), schedulers, RNG and DataLoaders found
     in this process (0 on a first run). Outside it, or when the script builds its own
     CheckpointManager: 0 (or what a manager set with :func:`set_active_manager` restores).
 
     Call it after the model, optimizer and schedulers are built (and moved to their device), and
-    before the first step."""
+    before the first step. ``total``: the steps the loop takes in all (``range(start, total)``);
+    ``smartckpt run``'s live view then shows the progress and an ETA."""
+    total_steps(total)
     if _active is not None:
         return int(_active.restore())
     if run_dir() is None or _off:

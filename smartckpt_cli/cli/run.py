@@ -23,6 +23,7 @@ from rich.table import Table
 from smartckpt_cli.config import load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
+from smartckpt_cli.supervise.pace import eta_text
 from smartckpt_cli.supervise.records import AttemptRecord
 from smartckpt_cli.supervise.runstate import RunOptions, RunState, trouble_text
 from smartckpt_cli.supervise.supervisor import Supervisor
@@ -52,10 +53,23 @@ def _remote_cell(meta_root: Path | None) -> str | None:
     return text
 
 
+def _progress(st: RunState) -> str:
+    """``step 420 of 1000 (42%), 3.1 steps/s, ETA 3m07s``: as much as is known."""
+    text = f"step {st.step}"
+    if st.total and st.step is not None:
+        text += f" of {st.total} ({100 * min(st.step, st.total) / st.total:.0f}%)"
+    if st.rate is not None:
+        text += f", {st.rate:.3g} steps/s"
+        eta = eta_text(st.step or 0, st.total, st.rate)
+        if eta:
+            text += f", {eta}"
+    return text
+
+
 def _status(st: RunState, meta_root: Path | None = None) -> str:
     parts = [f"attempt {st.attempt}", f"restarts {st.restarts}"]
     if st.step is not None:
-        parts.append(f"step {st.step}")
+        parts.append(_progress(st))
     if st.loss is not None:
         parts.append(f"loss {st.loss:.4g}")
     if st.child_state not in ("", "training", "done"):  # waiting for the remote, saving, restoring
@@ -81,7 +95,7 @@ def _panel(st: RunState, meta_root: Path | None = None) -> Table:
     t.add_row("attempt", f"{st.attempt} (pid {st.pid}, {st.phase}); restarts {st.restarts}")
     if st.heartbeat:
         loss = f"{st.loss:.5g}" if st.loss is not None else "-"
-        t.add_row("step", f"{st.step}  loss {loss}  ({st.child_state})")
+        t.add_row("step", f"{_progress(st).removeprefix('step ')}; loss {loss} ({st.child_state})")
     else:
         t.add_row("step", "no heartbeat yet" + ("" if st.hooks_live else " (hooks not live)"))
     if st.checkpoint_step:

@@ -27,6 +27,7 @@ __all__ = [
     "register_exit",
     "run_dir",
     "set_done_at_exit",
+    "total_steps",
     "trouble",
 ]
 
@@ -153,6 +154,17 @@ def last_step(step: int) -> None:
     w = _heart()
     if w is not None and step > w.step:
         w.step = step
+
+
+def total_steps(total: int | None) -> None:
+    """The steps this training takes in all (a Trainer's ``max_steps``, ``start_step(total=)``),
+    for the live view's progress and ETA; None or below 1: not known. Nothing outside
+    ``smartckpt run``."""
+    w = _heart()
+    if w is not None:
+        n = int(total) if total is not None and total > 0 else -1
+        if n != w.total:
+            w.beat(total=n)
 
 
 def trouble(name: str, on: bool) -> None:

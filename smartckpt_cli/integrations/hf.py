@@ -46,6 +46,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from smartckpt_cli.engine.heartbeat import total_steps
 from smartckpt_cli.integrations._common import StateFn, build_manager, state_of
 
 __all__ = ["SmartCheckpointCallback"]
@@ -149,6 +150,7 @@ class SmartCheckpointCallback(TrainerCallback):
                 "SmartCheckpointCallback must be attached: SmartCheckpointCallback(...).attach(trainer)"
             )
         mgr = self.manager
+        total_steps(getattr(state, "max_steps", None))
         objects = {
             "model": kw["model"],
             "optimizer": _unwrap(kw["optimizer"], "optimizer"),

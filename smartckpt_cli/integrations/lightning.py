@@ -40,12 +40,14 @@ Order of calls (Lightning calls these hooks from the training thread):
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from typing import Any
 
 from torch.utils.data import DataLoader
 
+from smartckpt_cli.engine.heartbeat import total_steps
 from smartckpt_cli.integrations._common import StateFn, build_manager, state_of
 
 if "lightning.pytorch" in sys.modules and "pytorch_lightning" not in sys.modules:
@@ -185,6 +187,7 @@ class SmartCheckpointCallback(pl.Callback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self.manager.install_signal_handlers()
+        total_steps(_total(trainer))
         # Lightning's data fetcher fetches this many batches ahead of the one being trained on
         # (none when the loaders have a length: it knows the last batch without)
         fetcher = trainer.fit_loop._data_fetcher
@@ -220,3 +223,15 @@ class SmartCheckpointCallback(pl.Callback):
             self.manager = None
         else:
             mgr.wait()
+
+
+def _total(trainer: Any) -> int | None:
+    """The optimizer steps this fit takes: max_steps, else what Lightning estimates from the
+    epochs and the loaders (infinite or unknown: None)."""
+    if int(getattr(trainer, "max_steps", -1) or -1) > 0:
+        return int(trainer.max_steps)
+    try:
+        n = float(trainer.estimated_stepping_batches)
+    except Exception:  # an iterable without a length: Lightning cannot say
+        return None
+    return int(n) if math.isfinite(n) and n > 0 else None

@@ -43,6 +43,8 @@ class RunState:
     pid: int | None = None
     phase: str = "starting"  # starting | running | stopping | restarting | finished
     step: int | None = None
+    total: int | None = None  # the steps the training takes in all, when the child said
+    rate: float | None = None  # steps per second, lately (pace.Pace)
     loss: float | None = None
     child_state: str = ""
     heartbeat: bool = False

@@ -53,6 +53,7 @@ from smartckpt_cli.supervise.childreport import (
 )
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.monitor import GpuMonitor, TreeMonitor, Usage, near_memory_limit, oom_kills
+from smartckpt_cli.supervise.pace import Pace
 from smartckpt_cli.supervise.policy import (
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
@@ -149,7 +150,9 @@ class Supervisor:
                 self.ram.close()
             self.signals.uninstall()
             self.record.ended = time.time()
-            self.record.checkpoints_taken = len(self.store.commits_since(self._start_position))
+            # The view's last frame and the summary show one count: the journal's, now.
+            self._checkpoint_seen()
+            self.record.checkpoints_taken = self.state.checkpoints_taken
             self._save_record()
             self.state.phase = "finished"
 
@@ -345,6 +348,7 @@ class Supervisor:
         self._report = None
         self.state.attempt, self.state.pid, self.state.phase = attempt, proc.pid, "running"
         self.state.step, self.state.loss, self.state.heartbeat = None, None, False
+        self.state.rate = None
         self.state.trouble, self.state.trouble_detail = 0, {}
         newest = f" (newest checkpoint: step {start_step})" if start_step else ""
         how = " in the warm spare" if warm else ""
@@ -355,6 +359,7 @@ class Supervisor:
         pids: set[int] = {proc.pid}
         clock = HangClock(override=self.s.hang_timeout, first_step=self.s.first_step_timeout)
         clock.start(time.monotonic())
+        pace = Pace()
         step_seen: dict[int, float] = {start_step: t_start}
         hung = warned_hooks = warned_beat = False
         usage: Usage | None = None
@@ -377,7 +382,7 @@ class Supervisor:
             hooks = files.hooks_pids()
             self.state.hooks_live = bool(hooks)
             if beats:
-                observe(beats, clock, now, att, step_seen, self.state)
+                observe(beats, clock, now, att, step_seen, self.state, pace)
             elif seen:
                 self.state.heartbeat, self.state.child_state = True, "done"
             elif time.time() - t_start > HOOKS_GRACE and not warned_beat and att.max_step is None:
@@ -417,7 +422,7 @@ class Supervisor:
                 self.gpu.sample(usage, set(tree.pids()))
                 pids.update(tree.pids())
                 self.state.usage = usage
-                self._checkpoint_seen(position)
+                self._checkpoint_seen()
             time.sleep(self.opts.poll)
         att.ended = time.time()
         att.returncode = proc.returncode
@@ -440,7 +445,7 @@ class Supervisor:
         committed = self.store.commits_since(position)
         start_step = att.began
         att.max_committed = max([*committed, start_step])
-        self._checkpoint_seen(position)
+        self._checkpoint_seen()
         error = files.error()
         att.error = error
         progressed: bool | None = None
@@ -583,7 +588,7 @@ class Supervisor:
         if att.io_error is not None:
             detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"
 
-    def _checkpoint_seen(self, position: int) -> None:
+    def _checkpoint_seen(self) -> None:
         newest = self.store.newest_step()
         if newest != self.state.checkpoint_step:
             self.state.checkpoint_step, self.state.checkpoint_seen = newest, time.time()

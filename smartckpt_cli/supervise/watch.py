@@ -18,6 +18,7 @@ from pathlib import Path
 from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.supervise.child import RunDir, alive
 from smartckpt_cli.supervise.forward import killpg
+from smartckpt_cli.supervise.pace import Pace
 from smartckpt_cli.supervise.policy import HangClock
 from smartckpt_cli.supervise.records import AttemptRecord
 from smartckpt_cli.supervise.runstate import Emit, RunState
@@ -50,6 +51,7 @@ def observe(
     att: AttemptRecord,
     seen: dict[int, float],
     state: RunState,
+    pace: Pace,
 ) -> None:
     """One poll's heartbeats: the slowest rank's step to the hang clock, the leader's to the view."""
     step = min(b.step for b in beats)
@@ -62,6 +64,9 @@ def observe(
     for b in beats:
         state.trouble |= b.trouble
     state.loss = lead.loss if lead.loss == lead.loss else None
+    pace.note(now, step)
+    state.rate = pace.rate(now)
+    state.total = max(b.total for b in beats) if any(b.total > 0 for b in beats) else None
     att.max_step = max(att.max_step or 0, step)
     seen.setdefault(step, time.time())
 

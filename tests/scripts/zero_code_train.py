@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         model.register_buffer("amax_history", torch.zeros(8).to(torch.float8_e4m3fn))
         model.register_buffer("scale", torch.ones(1).to(torch.float8_e5m2))
 
-    start = smartckpt_cli.start_step()
+    start = smartckpt_cli.start_step(total=args.total)
     print(f"start {start}", flush=True)
     it = None
     for step in range(start, args.total):
