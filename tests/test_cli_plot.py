@@ -109,6 +109,10 @@ def test_plot_of_a_store_without_run_records(demo_store, child_env, tmp_path):
     )
     page = (tmp_path / "run.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<h2>Checkpoints</h2>" in page
+    # The demo saves every 5 steps: the figure names that policy, not the settings' default.
+    res = _smartckpt(["plot", str(demo_store), "--json"], child_env, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["policy_text"] == "fixed: every 5 steps"
 
 
 # ---------------------------------------------------------------- simulate

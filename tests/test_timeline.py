@@ -276,3 +276,64 @@ def test_the_settings_a_run_recorded_are_those_of_the_run_asked_for_else_the_new
     assert recorded_settings([old, new, bare], "a") == {"max_interval": 60.0}
     assert recorded_settings([old, new, bare], "c") is None
     assert recorded_settings([], None) is None
+
+
+def test_the_policy_named_is_the_one_the_checkpoints_were_taken_by():
+    from smartckpt_cli.timeline.kinds import policies_shown
+
+    assert policies_shown(["final", "every 10 steps", "lost-work budget", "every 10 steps"]) == [
+        ("fixed", "every 10 steps")
+    ]
+    assert policies_shown(["every 2.5s", "risk alarm", "interval 92s", "seed score"]) == [
+        ("fixed", "every 2.5s"), ("adaptive", ""), ("seed", "")
+    ]  # fmt: skip
+    # what says nothing of the policy: budget, preemption, the end, manual, another rank's echo
+    assert (
+        policies_shown(["lost-work budget", "preemption (SIGTERM)", "final", "manual", "rank 0 trigger"])
+        == []
+    )
+    # the journal's reasons win over the settings (the default "adaptive" here)
+    tl = build_timeline(_facts(), PlotOptions(axis="step", bins=0))
+    assert (tl.policy, tl.policy_text) == ("adaptive", "adaptive")
+    facts = _facts()
+    every = [
+        {**e, "reason": "every 10 steps"}
+        if e.get("reason", "").startswith(("interval", "risk", "precursor"))
+        else e
+        for e in facts.events
+    ]
+    tl = build_timeline(StoreFacts("store", facts.tables, every, facts.runs), PlotOptions(policy="adaptive"))
+    assert (tl.policy, tl.policy_text, tl.thresholds) == ("fixed", "fixed: every 10 steps", {})
+    assert tl.to_json()["policy_text"] == "fixed: every 10 steps"
+    # nothing shows a policy: the settings', said to be theirs
+    only = [e for e in facts.events if e.get("reason") in (None, "final", "manual", "lost-work budget")]
+    tl = build_timeline(StoreFacts("store", facts.tables, only, facts.runs), PlotOptions(policy="seed"))
+    assert tl.policy == "seed" and tl.policy_text == "seed (the settings; no checkpoint shows a policy)"
+    assert tl.thresholds == {"threshold": 0.65}
+
+
+def test_the_figure_leaves_out_a_panel_with_nothing_to_draw_and_says_so_and_labels_every_axis():
+    pytest.importorskip("matplotlib")
+    from smartckpt_cli.figures.timeline import draw_timeline
+
+    tl = build_timeline(_facts(), PlotOptions(axis="step", bins=0))
+    full = draw_timeline(tl)
+    n = len(full.axes)
+    tl.series["curvature"].value[:] = np.nan  # a signal nobody traced
+    tl.series["grad_var"].value[1:] = np.nan  # one value: no line
+    upd = tl.series["update"].value
+    upd[np.isfinite(upd)] = np.linspace(2e-3, 8e-3, int(np.isfinite(upd).sum()))  # inside one decade
+    fig = draw_timeline(tl)
+    assert len(fig.axes) == n - 2
+    title = fig._suptitle.get_text()
+    assert "not drawn: curvature (0 value(s) traced), gradient variance (1 value(s) traced)" in title
+    assert "policy adaptive" in title
+    fig.canvas.draw()
+    for ax in fig.axes:
+        assert ax.get_ylabel(), ax
+        # a log panel inside one decade still has numbers on its axis
+        lo, hi = sorted(ax.get_ylim())
+        shown = ax.get_yticklabels(which="both")
+        labels = [t.get_text() for t in shown if lo <= t.get_position()[1] <= hi and t.get_text()]
+        assert labels, ax.get_ylabel()
+    assert fig.axes[-1].get_xlabel() == "step"

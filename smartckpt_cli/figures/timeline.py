@@ -46,6 +46,16 @@ def _shape(c: CheckpointMark) -> str:
     return "unhealthy" if not c.healthy else "calm" if c.calm else "unsettled"
 
 
+def _finite(s: Series) -> int:
+    return int(np.isfinite(s.value).sum())
+
+
+def _decades(s: Series) -> float:
+    """How many powers of ten a log panel's values span (0 without two positive values)."""
+    v = s.value[np.isfinite(s.value) & (s.value > 0)]
+    return float(np.log10(v.max() / v.min())) if len(v) >= 2 else 0.0
+
+
 def timeline_title(tl: Timeline) -> str:
     restarts = sum(r.restarted for r in tl.restarts)
     what = f"run {tl.run['run_id']}" if tl.run else tl.store
@@ -79,7 +89,14 @@ def draw_timeline(tl: Timeline, *, width: float = 12.0, dpi: int = 100) -> Any:
     from matplotlib.patches import Patch
     from matplotlib.ticker import NullFormatter
 
-    panels = [p for p in _PANELS if p[0] in tl.series]
+    # A panel needs two finite values to draw a line; one with fewer is named in the subtitle
+    # instead of drawn empty (a short run traces a few rows, a policy may not trace a signal).
+    panels = [p for p in _PANELS if p[0] in tl.series and _finite(tl.series[p[0]]) >= 2]
+    not_drawn = [
+        f"{label.replace(chr(10), ' ')} ({_finite(tl.series[name])} value(s) traced)"
+        for name, label, _ in _PANELS
+        if name in tl.series and _finite(tl.series[name]) < 2
+    ]
     cats = [c for c in CATEGORIES if any(k.category == c for k in tl.checkpoints)]
     strip_rows = cats + (["failed save"] if tl.failed_saves else [])
     heights = [3.2, 0.45 + 0.28 * max(len(strip_rows), 1)] + [h for _, _, h in panels]
@@ -166,7 +183,8 @@ def draw_timeline(tl: Timeline, *, width: float = 12.0, dpi: int = 100) -> Any:
         ax.set_ylabel(label, fontsize=9)
         if s.log:
             ax.set_yscale("log")
-            ax.yaxis.set_minor_formatter(NullFormatter())  # decades only: minor labels overlap
+            if _decades(s) > 1.0:  # decades only: minor labels overlap; inside one, matplotlib's own
+                ax.yaxis.set_minor_formatter(NullFormatter())
         if name == "score":
             for n, (what, v) in enumerate(sorted(tl.thresholds.items(), key=lambda kv: kv[1])):
                 color = "#CC3311" if what in ("alarm", "threshold") else "#999999"
@@ -227,7 +245,7 @@ def draw_timeline(tl: Timeline, *, width: float = 12.0, dpi: int = 100) -> Any:
     pad = (hi - lo) * 0.01 if hi > lo else 1.0
     axes[-1].set_xlim((lo - pad) / per, (hi + pad) / per)
     for ax in axes:
-        ax.tick_params(labelsize=8)
+        ax.tick_params(which="both", labelsize=8)
     handles: list[Any] = [Line2D([], [], ls="", marker="o", color=CATEGORY_COLORS[c], label=c) for c in cats]
     handles += [
         Line2D([], [], ls="", marker="o", mfc="#777777", mec="white", label="calm"),
@@ -253,11 +271,13 @@ def draw_timeline(tl: Timeline, *, width: float = 12.0, dpi: int = 100) -> Any:
         xlabel = "time (s)" if tl.axis == "time" else "step"
     axes[-1].set_xlabel(xlabel)
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, title="checkpoints", title_fontsize=8)
-    sub = [f"policy {tl.policy}", f"max_interval {tl.max_interval:g} s"]
+    sub = [f"policy {tl.policy_text or tl.policy}", f"max_interval {tl.max_interval:g} s"]
     if tl.steps:
         sub.append(
             f"steps {tl.steps[0] if tl.steps[0] is not None else ''}:{tl.steps[1] if tl.steps[1] is not None else ''}"
         )
+    if not_drawn:
+        sub.append("not drawn: " + ", ".join(not_drawn))
     if tl.remote:
         sub.append(f"remote {tl.remote.get('remote')}: {tl.remote.get('pending') or 0} not yet uploaded")
     fig.suptitle(timeline_title(tl) + "\n" + " · ".join(sub), fontsize=10)

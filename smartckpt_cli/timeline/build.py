@@ -28,7 +28,7 @@ import numpy as np
 
 from smartckpt_cli.errors import UsageError
 from smartckpt_cli.store.journal import CheckpointRecord, fold
-from smartckpt_cli.timeline.kinds import reason_category, restart_label
+from smartckpt_cli.timeline.kinds import policies_shown, reason_category, restart_label
 from smartckpt_cli.timeline.model import CheckpointMark, FailedSave, RestartMark, Timeline
 from smartckpt_cli.timeline.place import Placed, place
 from smartckpt_cli.timeline.series import add_series, data_range
@@ -94,6 +94,16 @@ def _thresholds(policy: str, threshold: float) -> dict[str, float]:
         # calm, and z >= alarm_z on the variance or the planned update raises the alarm.
         return {"calm": 0.5, "alarm": 1.0 / (1.0 + math.exp(-2.0 * (AdaptivePolicy.alarm_z - 4.0)))}
     return {}
+
+
+def _policy(reasons: list[str], configured: str) -> tuple[str, str]:
+    """(the policy whose lines are drawn, how the title names it). The checkpoints' reasons are
+    the evidence (a store saved "every 10 steps" was not adaptive, whatever the settings here
+    say); the settings only when no checkpoint shows a policy."""
+    shown = policies_shown(reasons)
+    if not shown:
+        return configured, f"{configured} (the settings; no checkpoint shows a policy)"
+    return shown[-1][0], ", then ".join(f"{name}: {detail}" if detail else name for name, detail in shown)
 
 
 # ---------------------------------------------------------------- runs
@@ -321,6 +331,7 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
         starts.append(float(run["started"]))
     t0 = min(starts) if starts else 0.0
 
+    policy, policy_text = _policy([e.reason for e, _ in kept if isinstance(e, CheckpointRecord)], opts.policy)
     tl = Timeline(
         store=facts.store,
         t0=t0,
@@ -337,8 +348,9 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
             if not isinstance(e, CheckpointRecord)
         ],
         max_interval=opts.max_interval,
-        policy=opts.policy,
-        thresholds=_thresholds(opts.policy, opts.threshold),
+        policy=policy,
+        policy_text=policy_text,
+        thresholds=_thresholds(policy, opts.threshold),
         steps=opts.steps,
         remote=_remote_json(facts.remote, t0),
         bins=opts.bins,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["CATEGORIES", "reason_category", "restart_label"]
+__all__ = ["CATEGORIES", "policies_shown", "reason_category", "restart_label"]
 
 # Display order (the legend's). What each covers:
 CATEGORIES = (
@@ -35,6 +35,31 @@ def reason_category(reason: str) -> str:
     if r == "final":
         return "final"
     return "manual"
+
+
+_EVERY = re.compile(r"every (\d+ steps|[\d.]+s)$")
+
+
+def policies_shown(reasons: list[str]) -> list[tuple[str, str]]:
+    """The policies the checkpoints were taken by, read from their reasons, in the order they
+    first appear: ``("fixed", "every 10 steps")``, ``("adaptive", "")``, ``("seed", "")``. The
+    budget, a preemption, the end of training, a manual save and another rank's "rank 0 trigger"
+    say nothing of the policy."""
+    seen: list[tuple[str, str]] = []
+    for reason in reasons:
+        r = reason.strip().lower()
+        m = _EVERY.match(r)
+        if m:
+            found = ("fixed", m.group(0))
+        elif r == "seed score":
+            found = ("seed", "")
+        elif r == "risk alarm" or r.startswith(("precursor", "interval ")):
+            found = ("adaptive", "")
+        else:
+            continue
+        if found not in seen:
+            seen.append(found)
+    return seen
 
 
 _SIGNAL = re.compile(r"\b(SIG[A-Z0-9]+)\b")

@@ -125,7 +125,10 @@ class Timeline:
     failed_saves: list[FailedSave] = field(default_factory=list)
     nonfinite: list[Mark] = field(default_factory=list)  # rows whose loss was written nan/inf
     max_interval: float = 180.0
-    policy: str = "adaptive"
+    policy: str = "adaptive"  # the policy whose score lines are drawn: the checkpoints', else the settings'
+    # How the title names it: "fixed: every 10 steps" as the checkpoints' reasons show it, or
+    # "adaptive (the settings; no checkpoint shows a policy)".
+    policy_text: str = ""
     thresholds: dict[str, float] = field(default_factory=dict)  # score lines: name -> value
     run: dict[str, Any] | None = None  # the run record shown (--run), summarised
     steps: tuple[int | None, int | None] | None = None  # --steps
@@ -164,6 +167,7 @@ class Timeline:
             "run": self.run,
             "steps": list(self.steps) if self.steps else None,
             "policy": self.policy,
+            "policy_text": self.policy_text or self.policy,
             "thresholds": self.thresholds,
             "max_interval": self.max_interval,
             "bins": self.bins,
