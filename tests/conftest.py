@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per core, at most 4. The end-to-end tests start two or three ranks
+    each; on a big machine 16 workers would start 48 trainings whose timeouts assume far fewer."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 @pytest.fixture
 def child_env() -> dict[str, str]:
     """Environment for child Python processes: unbuffered, the package importable, no stray

@@ -37,6 +37,10 @@ from smartckpt_cli.supervise.slurm import (
 from tests.conftest import ROOT
 from tests.slurm import cluster as sl
 
+# One pytest-xdist worker runs them all: the worker that starts the cluster stops it when its
+# session ends, which must not happen under another worker's job.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 TRAIN = ROOT / "examples" / "slurm" / "train.py"
 SBATCH_EXAMPLE = ROOT / "examples" / "slurm" / "train.sbatch"
 STEPS = 200
