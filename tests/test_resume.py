@@ -8,6 +8,7 @@ for bit.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -59,7 +60,11 @@ def reference(tmp_path_factory):
     return _trace(lines), torch.load(d / "final.pt", weights_only=True)
 
 
-KILL_STEPS = sorted(random.Random(time.time_ns()).sample(range(3, STEPS - 2), 5))
+# New steps each run; the same in every pytest-xdist worker of one run (they must collect the
+# same test ids), so drawn from the run's id there.
+KILL_STEPS = sorted(
+    random.Random(os.environ.get("PYTEST_XDIST_TESTRUNUID") or time.time_ns()).sample(range(3, STEPS - 2), 5)
+)
 
 
 @pytest.mark.parametrize("kill_at", KILL_STEPS)
