@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -478,9 +479,17 @@ mgr = sc.CheckpointManager()  # directory, schedule, RAM area: from smartckpt ru
 mgr.register(model=model, optimizer=opt)
 start = mgr.restore()
 print(f"start {start}", flush=True)
+fill_at = int(os.environ.get("FILL_AT", "-1"))
 for step in range(start, total):
     if step == kill_at and os.environ.get("SMARTCKPT_ATTEMPT") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
+    if step == fill_at and os.environ.get("SMARTCKPT_ATTEMPT") == "0":
+        # another process takes every free byte of the tmpfs (its writes end at ENOSPC)
+        import subprocess
+        shm = os.environ["SMARTCKPT_RAM_DIR"]
+        subprocess.run(["dd", "if=/dev/zero", f"of={shm}/filler", "bs=64k"], capture_output=True)
+        st = os.statvfs(shm)
+        print(f"filled at {step}: {st.f_bavail * st.f_frsize} bytes free", flush=True)
     loss = model(torch.randn(8, 256, generator=torch.Generator().manual_seed(step))).pow(2).mean()
     loss.backward()
     opt.step()
@@ -514,7 +523,9 @@ def _in_tmpfs(shm: Path, options: str) -> list[str]:
     return prefix
 
 
-def _run_in_tmpfs(tmp_path: Path, child_env, options: str, every: str) -> tuple[str, list[dict], Path]:
+def _run_in_tmpfs(
+    tmp_path: Path, child_env, options: str, every: str, **extra: str
+) -> tuple[str, list[dict], Path]:
     shm = tmp_path / "shm"
     shm.mkdir()
     script = tmp_path / "big.py"
@@ -522,7 +533,7 @@ def _run_in_tmpfs(tmp_path: Path, child_env, options: str, every: str) -> tuple[
     out = subprocess.run(
         [*_in_tmpfs(shm, options), sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck",
          "--every", every, "--ram-every", "0.1", str(script), "40", "28"],
-        cwd=tmp_path, env=dict(child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(shm)),
+        cwd=tmp_path, env=dict(child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(shm), **extra),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     said = out.stdout + out.stderr
@@ -562,6 +573,31 @@ def test_a_full_tmpfs_is_one_line_the_tier_stands_down_and_the_restart_restores_
     assert all(ln.startswith("smartckpt: ") and line.format(shm=shm) in ln for ln in down), down
     assert first["flash_persisted"] is None, first
     assert second["restored_from"] == "disk" and second["start_step"] == 20, second
+
+
+@pytest.mark.slow
+def test_a_tmpfs_another_process_fills_during_the_run_never_ends_in_sigbus(tmp_path, child_env):
+    """The tmpfs has room at the start (both slots allocated with posix_fallocate); at step 15
+    another process takes every free byte of it (vllm#48879: a write into a mapped page of a
+    full tmpfs is a SIGBUS). The slots' pages were the process's already: the snapshots go on
+    into them; the record naming the next one finds no room: one line, the tier stands down,
+    no signal. The SIGKILL at 28 then loses no checkpoint: the restart begins at the newest of
+    the disk's and the RAM tier's last good snapshot, and says once why the tier stays down."""
+    said, (first, second), _ = _run_in_tmpfs(tmp_path, child_env, "size=100m", every="10", FILL_AT="15")
+    filled = re.search(r"^filled at 15: (\d+) bytes free$", said, re.M)
+    assert filled and int(filled.group(1)) < (64 << 10), said
+    down = [ln for ln in said.splitlines() if "the RAM tier stands down" in ln]
+    assert len(down) == 2 and all(ln.startswith("smartckpt: ") for ln in down), said
+    assert "No space left on device" in down[0], down  # the record, in the killed attempt
+    assert "free: the RAM tier stands down" in down[1], down  # the restarted process's plan
+    # nothing lost: the disk's checkpoints of steps 10 and 20, and the restart from the newest
+    # of them or from the RAM snapshot recorded before the tmpfs filled (then made a checkpoint)
+    steps = [e["step"] for e in (json.loads(ln) for ln in (tmp_path / "ck" / "journal.jsonl").read_text().splitlines())
+             if e.get("event") == "commit"]  # fmt: skip
+    assert {10, 20} <= set(steps), steps
+    assert second["start_step"] >= 20 and second["restored_from"] in ("disk", "ram"), second
+    if first["flash_persisted"] is not None:
+        assert second["start_step"] == first["flash_persisted"] and first["flash_persisted"] <= 15, first
 
 
 @pytest.mark.slow
