@@ -451,6 +451,14 @@ def test_help_fits_80_columns_and_wraps_whole_paragraphs(command: list[str]) -> 
     ]
     cut = [a for a, b in itertools.pairwise(prose) if a and b and not a.startswith(" Usage") and len(a) < 55]
     assert cut == [], cut
+    # A fixed block's line (examples, exit codes) too long for the terminal comes back at the
+    # margin, right under the indented line it was cut from.
+    wrapped = [
+        b
+        for a, b in itertools.pairwise(lines)
+        if a.startswith("   ") and a.strip() and b.startswith(" ") and not b.startswith("  ") and b.strip()
+    ]
+    assert wrapped == [], wrapped
 
 
 def test_a_store_with_its_journal_elsewhere(tmp_path: Path) -> None:

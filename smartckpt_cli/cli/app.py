@@ -356,7 +356,8 @@ def run_cmd(
     Exit codes:
       0        training finished (or the job was requeued after a preemption)
       N        the child's own exit code when it is not restarted (SyntaxError,
-               ImportError, a failure before the first step, a no_restart_on match)
+               ImportError, a failure before the first step, a no_restart_on
+               match)
       128+N    stopped by signal N (SIGTERM: 143) that was passed to the child
       2        bad input (a missing script, a bad option or setting)
       3        gave up: max_restarts reached

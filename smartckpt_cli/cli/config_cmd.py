@@ -40,7 +40,8 @@ def show(
     \b
     Examples:
       smartckpt config show
-      SMARTCKPT_KEEP_LAST=5 smartckpt config show --config train.yaml --set precision=bf16
+      smartckpt config show --config train.yaml
+      SMARTCKPT_KEEP_LAST=5 smartckpt config show --set precision=bf16
 
     Exit codes: 0 shown, 2 a bad setting (unknown key, wrong type, missing --config file).
     """

@@ -42,7 +42,7 @@ def inspect(
     \b
     Examples:
       smartckpt inspect ./checkpoints
-      smartckpt ls ./checkpoints --step 1200        (one manifest, tensor by tensor)
+      smartckpt ls ./checkpoints --step 1200   (one manifest, tensor by tensor)
       smartckpt inspect ./checkpoints --json | jq '.checkpoints[0].step'
       smartckpt inspect ./checkpoints --remote s3://bucket/run1     (upload lag)
 
