@@ -262,6 +262,8 @@ def simulate(
 def _simulate_report(result: Any) -> None:
     from smartckpt_cli.cli.simulate_view import render
 
+    # The terminal's width now (a Console reads COLUMNS when it is made, not at each print).
+    console = Console()
     console.print(
         f"trace: {escape(result.source)}\n{result.rows} rows, {result.duration:,.1f} s; "
         f"calibration: {result.method}",
