@@ -94,6 +94,10 @@ class Settings:
     ram_every: float | None = None  # seconds between RAM snapshots; None: as often as RAM_SHARE allows
     ram_budget: str | None = None  # per rank: "8G", "512M", bytes; None: half the free memory / local ranks
     ram_dir: str | None = None  # where the RAM tier lives (a tmpfs); None: /dev/shm
+    # 1: one copy of the state in shared memory, the staging buffer itself (a crash during a
+    # snapshot's copy restores from disk); 2: the previous RAM snapshot stays whole while the
+    # next is copied, for a second copy of the state's size per rank
+    ram_slots: int = 1
     # a spare interpreter, torch imported, waits to become the next attempt (supervise/warm.py)
     warm_restart: bool = True
 
@@ -163,6 +167,8 @@ class Settings:
             )
         if self.ram_every is not None and not self.ram_every > 0:
             raise ConfigError("ram_every must be positive (seconds)")
+        if self.ram_slots not in (1, 2):
+            raise ConfigError(f"ram_slots must be 1 or 2, not {self.ram_slots}")
         if self.ram_budget is not None:
             try:
                 parse_size(self.ram_budget)

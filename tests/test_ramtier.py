@@ -57,12 +57,19 @@ for step in range(start + 1, total + 1):
     opt.zero_grad()
     mgr.step(step, loss)
     time.sleep(0.01)
-if end == "crash":
+if end in ("crash", "crash-in-copy"):
     mgr.wait()
     ram = mgr._ram
     print("RAM", json.dumps({"step": ram.last["step"] if ram and ram.last else None,
-                             "snapshots": ram.snapshots if ram else 0}), flush=True)
-    os._exit(0)
+                             "snapshots": ram.snapshots if ram else 0,
+                             "private_staging": mgr._stager.nbytes}), flush=True)
+    if end == "crash":
+        os._exit(0)
+    # SIGKILLed while the next snapshot is copied into the RAM tier: the first state_dict()
+    # the snapshot asks for comes after the slot was handed out for writing
+    import signal
+    model.state_dict = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mgr.save(total)
 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
            os.path.join(os.path.dirname(store), "out.pt"))
 mgr.close()
@@ -79,7 +86,9 @@ def area(tmp_path):
     subprocess.run(["rm", "-rf", str(where)], check=False)
 
 
-def _train(tmp_path: Path, child_env, area: Path | None, total: int, end: str, **extra: str) -> dict:
+def _train(
+    tmp_path: Path, child_env, area: Path | None, total: int, end: str, *, rc: int = 0, **extra: str
+) -> dict:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     env = dict(child_env, **extra)
@@ -89,7 +98,7 @@ def _train(tmp_path: Path, child_env, area: Path | None, total: int, end: str, *
         [sys.executable, str(script), str(tmp_path / "store"), str(total), end],
         env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == rc, out.stdout + out.stderr
     said: dict = {"log": [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("LOG ")]}
     for line in out.stdout.splitlines():
         tag, _, rest = line.partition(" ")
@@ -266,6 +275,29 @@ def test_a_crashed_process_restores_from_ram_bit_exact(tmp_path, child_env, area
     assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 90))
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_crash_during_the_copy_into_the_ram_tier_costs_its_snapshot_only_with_one_slot(
+    tmp_path, child_env, area, slots
+):
+    """SIGKILL while a snapshot is being copied into the RAM tier (the disk holds nothing: every
+    1,000 steps). One slot (the default): the RAM tier is one copy of the state, the record was
+    withdrawn before the copy began, so nothing torn is ever restored: the restart begins at 0.
+    Two slots (``ram_slots: 2``, a second copy of the state): the previous RAM snapshot stays
+    whole and the restart resumes from it. Both end bit-exact with an uninterrupted run."""
+    env = {"SMARTCKPT_RAM_SLOTS": str(slots)}
+    first = _train(tmp_path, child_env, area, 40, "crash-in-copy", rc=-9, **env)
+    ram_step = first["RAM"]["step"]
+    assert first["RAM"]["snapshots"] >= 2 and 1 <= ram_step <= 40, first
+    assert first["RAM"]["private_staging"] == 0, first  # staged in the slot, no private copy beside it
+    rank = area / "rank0"
+    sizes = {p.name: p.stat().st_size for p in rank.glob("slot*")}
+    assert sorted(sizes) == [f"slot{i}" for i in range(slots)], sizes
+    assert (rank / "ram.json").exists() == (slots == 2)
+    second = _train(tmp_path, child_env, area, 50, "finish", **env)
+    assert second["START"] == ({"step": 0, "from": None} if slots == 1 else {"step": ram_step, "from": "ram"})
+    assert_same_state(torch.load(tmp_path / "out.pt", weights_only=True), _reference(tmp_path, child_env, 50))
+
+
 def test_a_flipped_byte_sends_the_restore_to_disk_with_one_line(tmp_path, child_env, area):
     first = _train(tmp_path, child_env, area, 40, "crash", EVERY="20")  # disk: step 20 and 40
     ram_step = first["RAM"]["step"]
@@ -281,8 +313,8 @@ def test_a_flipped_byte_sends_the_restore_to_disk_with_one_line(tmp_path, child_
 
 
 def test_no_room_is_one_line_and_the_tier_stands_down(tmp_path, child_env, area):
-    first = _train(tmp_path, child_env, area, 30, "crash", SMARTCKPT_RAM_BUDGET="64K")
-    assert first["RAM"] == {"step": None, "snapshots": 0}
+    first = _train(tmp_path, child_env, area, 30, "crash", SMARTCKPT_RAM_BUDGET="16K")  # the state: 55 KB
+    assert (first["RAM"]["step"], first["RAM"]["snapshots"]) == (None, 0)
     down = [ln for ln in first["log"] if "stands down" in ln]
     assert len(down) == 1 and "above ram_budget" in down[0], first["log"]
     assert not (area / "rank0" / "slot0").exists()  # nothing allocated beyond the budget
@@ -394,7 +426,10 @@ def test_sigkill_under_smartckpt_run_resumes_from_ram_bit_exact(tmp_path, child_
         [sys.executable, str(SUPERVISED), "--total", "60", "--out", str(ref / "final.pt"), "--step-time", "0"],
         env=dict(child_env, SMARTCKPT_DIR=str(ref / "store")), check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    env = dict(child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path))
+    # two slots: the kill finds a whole RAM snapshot whenever it comes (one slot: test below)
+    env = dict(
+        child_env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path), SMARTCKPT_RAM_SLOTS="2"
+    )
     out = subprocess.run(
         [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
          "0.3", str(SUPERVISED), "--total", "60", "--kill-at", "45", "--step-time", "0.03", "--out", "final.pt"],
@@ -442,7 +477,8 @@ def test_two_ranks_one_sigkilled_resume_from_ram_bit_exact(tmp_path, child_env):
         [sys.executable, "-m", "smartckpt_cli.cli.app", "run", "--dir", "ck", "--every", "1000", "--ram-every",
          "0.3", "--", *TORCHRUN, str(DDP), "--mode", "ddp", "--total", "40", "--kill-at", "30", "--kill-rank",
          "1", "--step-time", "0.05", "--out", "final"],
-        cwd=tmp_path, env=dict(env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path)),
+        cwd=tmp_path,
+        env=dict(env, SMARTCKPT_RESTART_BACKOFF="0.1", SMARTCKPT_RAM_DIR=str(tmp_path), SMARTCKPT_RAM_SLOTS="2"),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     said = out.stdout + out.stderr
@@ -557,7 +593,7 @@ def _run_in_tmpfs(
         ("size=100m,nr_inodes=3", "refused 6.3 MB for a RAM slot (No space left on device): the RAM tier "
          "stands down, restarts restore from disk", 2),
         # no room for the record naming a snapshot
-        ("size=100m,nr_inodes=5", "failed (OSError: [Errno 28] No space left on device: '{shm}/smartckpt-", 2),
+        ("size=100m,nr_inodes=4", "failed (OSError: [Errno 28] No space left on device: '{shm}/smartckpt-", 2),
     ],
     ids=["state-larger-than-the-tmpfs", "no-room-for-the-area", "no-room-for-a-slot", "no-room-for-the-record"],
 )  # fmt: skip
@@ -602,11 +638,13 @@ def test_a_tmpfs_another_process_fills_during_the_run_never_ends_in_sigbus(tmp_p
 
 @pytest.mark.slow
 def test_no_room_for_the_flash_lock_the_flash_persist_runs_before_the_restart(tmp_path, child_env):
-    """Room for one RAM snapshot and nothing else (6 inodes: the area, a rank, 2 slots, the
-    record), the disk every 1,000 steps: the supervisor cannot make the ``flash.lock`` that lets
-    a flash persist run behind the restart, so it persists before it (the run used to end here,
-    exit 1, on ENOSPC), and the restart restores that step."""
-    said, (first, second), _ = _run_in_tmpfs(tmp_path, child_env, "size=100m,nr_inodes=6", every="1000")
+    """Room for one RAM snapshot and nothing else (6 inodes: the tmpfs, the area, a rank, 2 slots
+    with ``ram_slots`` 2, the record), the disk every 1,000 steps: the supervisor cannot make the
+    ``flash.lock`` that lets a flash persist run behind the restart, so it persists before it
+    (the run used to end here, exit 1, on ENOSPC), and the restart restores that step."""
+    said, (first, second), _ = _run_in_tmpfs(
+        tmp_path, child_env, "size=100m,nr_inodes=6", every="1000", SMARTCKPT_RAM_SLOTS="2"
+    )
     step = first["flash_persisted"]
     assert step is not None and 0 < step < 28, said
     assert f"flash persist: the RAM snapshot of step {step} is a checkpoint of the store now" in said

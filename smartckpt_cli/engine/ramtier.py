@@ -1,18 +1,21 @@
 """The RAM tier in the training process: staging buffers in shared memory that outlive it.
 
 Under ``smartckpt run`` (which owns the RAM area and says where it is in ``SMARTCKPT_RAM_AREA``;
-the format is ``store/ramarea.py``'s) the manager's staging buffers are views into two slot
-files of this rank's folder in a tmpfs, so the copy a snapshot makes anyway *is* the RAM tier's
-copy. Order of calls (the manager's):
+the format is ``store/ramarea.py``'s) the manager's staging buffers are views into a slot file
+of this rank's folder in a tmpfs, so the copy a snapshot makes anyway *is* the RAM tier's copy:
+one copy of the state beyond training. With ``ram_slots`` 2, two slot files take turns and the
+previous RAM snapshot stays whole while the next is copied (a second copy of the state). Order
+of calls (the manager's):
 
 1. :meth:`RamTier.open` in the manager's ``__init__`` (None outside ``smartckpt run``, or when
    the run has the tier off);
 2. :meth:`plan` at the first step, with the staging specs (when the optimizer's moments exist):
-   both slots sized and allocated within the budget, or one line and the tier stands down
+   the slot(s) sized and allocated within the budget, or one line and the tier stands down
    (staging goes back to private memory);
-3. per snapshot, training thread: :meth:`begin` hands the stager the buffers of the slot the
-   record does not name (locked for writing), or None (a slot being read: the snapshot goes to
-   private buffers, the RAM tier skips it);
+3. per snapshot, training thread: :meth:`begin` hands the stager the buffers of the slot to
+   write (locked for writing; with one slot its record withdrawn first), or None (a slot being
+   read: the snapshot goes to private buffers, freed again by the next snapshot into the slot;
+   the RAM tier skips it);
 4. save thread, once the snapshot's copies are done: :meth:`commit` hashes every chunk, checks
    the weights are finite and writes the record: the RAM snapshot exists; :meth:`end` unlocks;
 5. :meth:`load` on restore (training thread): the record's slot re-hashed, every chunk, then
@@ -64,12 +67,13 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
 
 
 class RamTier:
-    """This rank's two slots and their record (module docstring)."""
+    """This rank's slot(s) and their record (module docstring)."""
 
     def __init__(self, rank_dir: Path, budget: int, settings: Settings, store_id: str, rank: int, world: int):
         self.dir, self.budget, self.store_id = rank_dir, budget, store_id
         self.rank, self.world = rank, world
         self.every = settings.ram_every
+        self.nslots = settings.ram_slots
         self.chunk_bytes = settings.chunk_mb << 20
         # a restore's copy out of the slot is memory-bound: no more threads than this rank's
         # share of the cores (the node's ranks restore at the same time)
@@ -133,8 +137,9 @@ class RamTier:
         offsets, size = ramarea.layout(sizes)
         if offsets == self.offsets and size == self.size:
             return True
-        have = sum(os.stat(self.dir / n).st_size for n in RAM_SLOTS if (self.dir / n).exists())
-        need = 2 * size
+        mine = RAM_SLOTS[: self.nslots]
+        have = sum(os.stat(self.dir / n).st_size for n in mine if (self.dir / n).exists())
+        need = self.nslots * size
         free = ramarea.room(self.dir)
         avail = psutil.virtual_memory().available
         why = None
@@ -145,16 +150,16 @@ class RamTier:
         elif need - have + _MARGIN > avail:
             why = f"the host has {_gb(avail)} of memory available"
         if why is not None:
+            slots = f"2 slots of {_gb(size)} = {_gb(need)}" if self.nslots == 2 else f"{_gb(size)}"
             self.stand_down(
-                f"a RAM snapshot needs 2 slots of {_gb(size)} = {_gb(need)}, and {why}: the RAM tier "
-                "stands down, restarts restore from disk"
+                f"a RAM snapshot needs {slots}, and {why}: the RAM tier stands down, restarts restore from disk"
             )
             return False
         self.wait_ready()
         self.offsets, self.size, self.specs = offsets, size, list(specs)
         self._layout += 1
         self.records = {}  # laid out anew: nothing in a slot is known any more
-        todo = [i for i in (0, 1) if i != self.committed or self._fits(i)]
+        todo = [i for i in range(self.nslots) if i != self.committed or self._fits(i)]
 
         def run() -> None:
             if nice:
@@ -223,13 +228,18 @@ class RamTier:
 
     def begin(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The slot for the next snapshot and its buffers, locked for writing; None when the
-        tier is off, its slots are still being prepared, or that slot is being read."""
+        tier is off or that slot is being read. Slots still being prepared are waited for: a
+        snapshot staged elsewhere would hold a private copy of the state beside them.
+
+        With one slot (``ram_slots`` 1) the slot is the one the record names: the record is
+        withdrawn first (``ramarea.drop_record``), so a crash during the copy restores from
+        disk; the entries the snapshot references (unchanged) stay in place meanwhile."""
         if not self.active or self.size == 0:
             return None
-        prep = self._prep
-        if prep is not None and prep.is_alive():
+        self.wait_ready()
+        if not self.active:  # the preparation found no room
             return None
-        i = 1 if self.committed == 0 else 0
+        i = (1 if self.committed == 0 else 0) if self.nslots == 2 else 0
         try:
             if not self._ensure(i):
                 return None
@@ -239,12 +249,23 @@ class RamTier:
                 "the RAM tier stands down, restarts restore from disk"
             )
             return None
+        if i == self.committed:
+            with self._record_lock:  # note_next_step must not write it back meanwhile
+                ramarea.drop_record(self.dir)
+                self.committed = self.last = None
+                self._next = None
         return i, self.buffers[i]
 
     def end(self, i: int) -> None:
         slot = self.slots[i]
         if slot is not None:
             slot.unlock()
+
+    def abandon(self, i: int) -> None:
+        """A snapshot into slot ``i`` that will not be committed (it failed, or missed the slot):
+        what the slot holds is no longer known, so nothing is referenced from it next time."""
+        self.records.pop(i, None)
+        self.end(i)
 
     def commit(self, snap: Snapshot, i: int, pool: Executor) -> None:
         """Hash and record the snapshot in slot ``i`` (its copies are done): it becomes the RAM
@@ -333,7 +354,14 @@ class RamTier:
             meta["next_step"] = {"step": values.step, **values.read()}
             record = {k: v for k, v in last.items() if k not in ("format", "version")}
             record["meta"] = meta
-            ramarea.write_record(self.dir, record)
+            try:
+                ramarea.write_record(self.dir, record)
+            except OSError as err:  # a full tmpfs: the record as it was stays, without them
+                self.stand_down(
+                    f"the RAM snapshot of step {last['step']}: its record cannot be rewritten "
+                    f"({type(err).__name__}: {err}): the RAM tier stands down, restarts restore from disk"
+                )
+                return
             self.last = record
             if self.committed is not None:
                 self.records[self.committed] = record

@@ -55,6 +55,7 @@ __all__ = [
     "Slot",
     "chunk_hashes",
     "default_budget",
+    "drop_record",
     "flash_wait",
     "layout",
     "local_ranks",
@@ -206,6 +207,14 @@ def write_record(rank_dir: Path, record: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def drop_record(rank_dir: Path) -> None:
+    """The RAM snapshot withdrawn: its slot is about to be written again (one slot, no second
+    to take turns with). Gone before the first byte changes, so a crash meanwhile leaves no
+    record naming a torn slot: the restore goes to the disk."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(rank_dir / RAM_RECORD)
 
 
 def _int(value: Any, where: str, field: str, low: int = 0) -> int:
