@@ -870,3 +870,43 @@ def save_what_changed(s: Any) -> list[str]:
         )
     )
     return out
+
+
+# The save_memory contenders in table order, with how the docs name them.
+_MEMORY_ROWS = (
+    ("torch.save", "`torch.save`"),
+    ("dcp.async_save", "DCP `async_save`"),
+    ("dcp.async_save+shm-stager", "DCP `async_save`, `DefaultStager` (shared memory)"),
+    ("smartckpt", "smartckpt, API"),
+    ("smartckpt run (RAM tier)", "smartckpt run (RAM tier, one slot: the default)"),
+    ("smartckpt run (ram_slots 2)", "smartckpt run, `ram_slots: 2`"),
+)
+# A 7B full fine-tune on one 8-GPU node: bf16 weights and gradients on the GPUs, fp32 master
+# weights and two AdamW moments: the 98 GB of state per node, the host's to stage.
+_NODE_STATE_GB = 98.0
+
+
+@section("save-memory")
+def save_memory(s: Any) -> list[str]:
+    f = "save_memory"
+    sizes = sorted({r["state_bytes"] for r in s.details(f)["rows"]})
+    tags = [f"{b / 1e9:.2f} GB" for b in sizes]
+    head = ["contender"]
+    for t in tags:
+        head += [f"extra memory, S = {t}", f"stall, first / later ({t})"]
+    head.append(f"a 7B full fine-tune, {_NODE_STATE_GB:.0f} GB of state per node: extra host memory")
+    out = [_row(head), _row(["---"] * len(head))]
+    for who, label in _MEMORY_ROWS:
+        if not s.has(f, f"extra_memory[{who} @ {tags[0]}]"):
+            continue
+        cells = [label]
+        for t in tags:
+            key = f"{who} @ {t}"
+            cells.append(s.fig(f, f"extra_memory[{key}]", "{:.2f}").replace("×", " S"))
+            cells.append(
+                f"{s.fig(f, f'first_stall[{key}]', '{:.1f}')} / {s.fig(f, f'later_stall[{key}]', '{:.1f}')}"
+            )
+        big = s.value(f, f"extra_memory[{who} @ {tags[-1]}]")
+        cells.append(f"{big * _NODE_STATE_GB:.0f} GB")
+        out.append(_row(cells))
+    return out
