@@ -14,8 +14,9 @@ one real step: S = every tensor of the model's and the optimizer's state), train
 
 Measured in that process: a thread samples ``RssAnon + RssShmem`` (/proc/self/status) every
 2 ms, plus the RAM area's files (shared memory the process may not have mapped); the peak above
-the level of training alone (model, gradients, moments: measured before the contender makes
-anything, its staging buffers included), over S, is the **extra host memory**. A save's **stall** is what
+the peak of training alone (model, gradients, moments and a step's transient buffers: sampled
+over ``--every`` steps before the contender makes anything), over S, is the **extra host memory**
+(its staging buffers included). A save's **stall** is what
 the loop's own clock lost to it: the iteration that saved and the next one, against two median
 iterations without a save (what a user feels, the same way for every contender), over the time
 a ``copy_`` of S bytes into buffers already faulted in takes in the same process, measured after
@@ -77,16 +78,20 @@ def level():
 model, opt = build_model(params)
 tensors = state_tensors(model, opt)
 S = sum(t.numel() * t.element_size() for t in tensors)
-train_step(model, opt)  # gradients and moments exist: training's own memory, before any contender
-base = level()
+train_step(model, opt)  # gradients and moments exist
 stop = threading.Event()
-peak = [base]
+peak = [level()]
 def sample():
     while not stop.is_set():
         peak[0] = max(peak[0], level())
         time.sleep(0.002)
 th = threading.Thread(target=sample, daemon=True)
 th.start()
+# training's own peak (a step's activations and autograd buffers come and go): what the saves
+# add is measured above it, not above the level between steps
+for _ in range(every):
+    train_step(model, opt)
+base = peak[0]
 
 if who.startswith("dcp"):
     import torch.distributed as dist
