@@ -261,12 +261,6 @@ class RamTier:
         if slot is not None:
             slot.unlock()
 
-    def abandon(self, i: int) -> None:
-        """A snapshot into slot ``i`` that will not be committed (it failed, or missed the slot):
-        what the slot holds is no longer known, so nothing is referenced from it next time."""
-        self.records.pop(i, None)
-        self.end(i)
-
     def commit(self, snap: Snapshot, i: int, pool: Executor) -> None:
         """Hash and record the snapshot in slot ``i`` (its copies are done): it becomes the RAM
         snapshot. Runs on the save thread; the hashing fans out to ``pool``."""

@@ -275,13 +275,13 @@ class SavePath:
             )
         except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
             self._stager.use(None)
-            if ram is not None and self._ram is not None:
-                self._ram.abandon(ram[0])
+            if ram is not None:
+                self._ram_end(ram[0])
             self._save_failed(step, err)
             return SaveHandle.failed(step, err)
-        if ram is not None and self._ram is not None:
+        if ram is not None:
             if self._stager.missed:  # an entry without its place in the slot: not a RAM snapshot
-                self._ram.abandon(ram[0])
+                self._ram_end(ram[0])
                 self._prepare = True  # the state changed shape: the slots are laid out again
             else:
                 snap.ram_slot = ram[0]
