@@ -10,7 +10,12 @@ one real step: S = every tensor of the model's and the optimizer's state), train
   staging: its "pinned/shared-memory stager"; pinning needs CUDA), a gloo group of one;
 * smartckpt's API (``CheckpointManager``, saves through ``mgr.step``: the loop's path);
 * smartckpt as under ``smartckpt run`` (the RAM tier on: ``SMARTCKPT_RAM_AREA`` in /dev/shm),
-  with its default one slot and with ``ram_slots`` 2.
+  with its default one slot and with ``ram_slots`` 2;
+* with a ``memory_budget``: half of S (the API: saves in pieces) and 2.5 S (under ``smartckpt
+  run``: room for the RAM tier's second slot, which the default ``ram_slots`` 0 then takes);
+* a LoRA-shaped model (save_what_changed.py's: a frozen base, rank-8 adapters, AdamW over the
+  adapters; S is the whole state) through the API registered whole, with its adapters alone
+  (what an ideal save holds), and under ``smartckpt run``.
 
 Measured in that process: a thread samples ``RssAnon + RssShmem`` (/proc/self/status) every
 2 ms, plus the RAM area's files (shared memory the process may not have mapped); the peak above
@@ -50,7 +55,14 @@ CONTENDERS = (
     "smartckpt",
     "smartckpt run (RAM tier)",
     "smartckpt run (ram_slots 2)",
+    "smartckpt (memory_budget 0.5 S)",
+    "smartckpt run (memory_budget 2.5 S)",
+    "smartckpt, LoRA-shaped",
+    "smartckpt, LoRA-shaped: adapters alone",
+    "smartckpt run, LoRA-shaped",
 )
+# the contenders with a memory budget: the budget as a multiple of S
+BUDGETS = {"smartckpt (memory_budget 0.5 S)": 0.5, "smartckpt run (memory_budget 2.5 S)": 2.5}
 
 CHILD = r"""
 import json, os, statistics, sys, threading, time
@@ -75,15 +87,28 @@ def level():
         unmapped = max(0, unmapped - got.get("RssShmem", 0))
     return got.get("RssAnon", 0) + got.get("RssShmem", 0) + unmapped
 
-model, opt = build_model(params)
+if "LoRA" in who:  # save_what_changed.py's model: a frozen base, rank-8 adapters trained
+    sys.path.insert(0, os.environ["SAVE_MEMORY_BENCH_DIR"])
+    from save_what_changed import Adapted, Adapters
+    width = min(2048, max(64, int((params / 4) ** 0.5)))
+    torch.manual_seed(0)
+    model = Adapted(width, max(1, round(params / (width * width + width))), 8)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    train_step(model, opt)
+else:
+    model, opt = build_model(params)
 tensors = state_tensors(model, opt)
 S = sum(t.numel() * t.element_size() for t in tensors)
+frozen = sum(q.numel() * q.element_size() for q in model.parameters() if not q.requires_grad)
 train_step(model, opt)  # gradients and moments exist
 stop = threading.Event()
 peak = [level()]
+peak_lock = threading.Lock()  # the loop restarts the peak after the first save
 def sample():
     while not stop.is_set():
-        peak[0] = max(peak[0], level())
+        lv = level()
+        with peak_lock:
+            peak[0] = max(peak[0], lv)
         time.sleep(0.002)
 th = threading.Thread(target=sample, daemon=True)
 th.start()
@@ -121,15 +146,18 @@ elif who == "torch.save":
         pass
 else:
     import smartckpt_cli as sc
+    share = os.environ.get("SAVE_MEMORY_BUDGET_OF_S")
     mgr = sc.CheckpointManager(str(work / "store"), every_steps=every, keep_last=2, max_interval=1e9,
-                               **({"ram_every": 1e9} if area else {}))
-    mgr.register(model=model, optimizer=opt)
+                               **({"ram_every": 1e9} if area else {}),
+                               **({"memory_budget": str(int(S * float(share)))} if share else {}))
+    mgr.register(model=Adapters(model) if who.endswith("adapters alone") else model, optimizer=opt)
     mgr.restore()
     save = None
     def finish():
         mgr.wait()
 
 iters, saved_at = [], []
+first_peak = None
 steps = every * (saves + 1)
 for step in range(1, steps + 1):
     t0 = time.perf_counter()
@@ -142,11 +170,19 @@ for step in range(1, steps + 1):
         save(step)
         saved_at.append(len(iters))
     iters.append(time.perf_counter() - t0)
+    if first_peak is None and saved_at and len(iters) == saved_at[0] + 3:
+        # the first save is done (its step and two more): its peak apart from the later saves'
+        # (the first save of a partly frozen model copies what the later ones reference)
+        finish()
+        time.sleep(0.05)
+        with peak_lock:
+            first_peak, peak[0] = peak[0], level()
 finish()
 time.sleep(0.05)
 stop.set()
 th.join()
 peak = peak[0]
+first_peak = peak if first_peak is None else first_peak
 if save is None:
     mgr.close()
 
@@ -164,7 +200,9 @@ memcpy = statistics.median(copies)
 plain = [t for i, t in enumerate(iters) if i not in saved_at and i - 1 not in saved_at and i > 1]
 ref = statistics.median(plain)
 stalls = [iters[i] + (iters[i + 1] if i + 1 < len(iters) else ref) - 2 * ref for i in saved_at]
-print(json.dumps({"who": who, "state_bytes": S, "base": base, "peak": peak, "extra_over_S": (peak - base) / S,
+print(json.dumps({"who": who, "state_bytes": S, "frozen_share": frozen / S, "base": base, "peak": peak, "first_peak": first_peak,
+                  "extra_over_S": (max(peak, first_peak) - base) / S, "extra_first_over_S": (first_peak - base) / S,
+                  "extra_later_over_S": (peak - base) / S,
                   "memcpy_s": memcpy, "step_s": ref, "stalls_s": stalls, "saves": len(saved_at)}))
 """
 
@@ -172,6 +210,7 @@ print(json.dumps({"who": who, "state_bytes": S, "base": base, "peak": peak, "ext
 def run_one(who: str, params: float, args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SMARTCKPT_")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["SAVE_MEMORY_BENCH_DIR"] = str(ROOT / "benchmarks")
     with tempfile.TemporaryDirectory(prefix="smartckpt-save-memory-", dir=args.workdir) as work:
         area = None
         if who.startswith("smartckpt run"):
@@ -179,6 +218,8 @@ def run_one(who: str, params: float, args: argparse.Namespace) -> dict:
             env["SMARTCKPT_RAM_AREA"] = area
             if "ram_slots 2" in who:
                 env["SMARTCKPT_RAM_SLOTS"] = "2"
+        if who in BUDGETS:
+            env["SAVE_MEMORY_BUDGET_OF_S"] = str(BUDGETS[who])
         try:
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, who, str(params), str(args.every), str(args.saves), work],
@@ -214,7 +255,9 @@ def main() -> int:
 
     rec = _record.start("save_memory", torch.device("cpu"))
     rows = []
-    print(f"{'contender':30} {'state':>8} {'extra mem':>10} {'first stall':>12} {'later stall':>12}")
+    print(
+        f"{'contender':40} {'state':>8} {'mem first':>10} {'mem later':>10} {'first stall':>12} {'later stall':>12}"
+    )
     for params in (float(s) for s in args.sizes.split(",")):
         for w in who:
             r = run_one(w, params, args)
@@ -225,13 +268,28 @@ def main() -> int:
             row = {**r, "params": params, "first_stall_over_memcpy": first, "later_stall_over_memcpy": later}
             rows.append(row)
             gb = r["state_bytes"] / 1e9
-            print(f"{w:30} {gb:7.2f}G {r['extra_over_S']:9.2f}S {first:11.2f}x {later:11.2f}x", flush=True)
-            tag = f"{w} @ {gb:.2f} GB"
+            print(
+                f"{w:40} {gb:7.2f}G {r['extra_first_over_S']:9.2f}S {r['extra_later_over_S']:9.2f}S "
+                f"{first:11.2f}x {later:11.2f}x",
+                flush=True,
+            )
+            tag = f"{w} @ {params / 1e6:g}M"  # a size by its parameter count: S differs per model
+            rec.add(f"state[{tag}]", gb, "GB", f"{tag}: S, the state's bytes")
+            rec.add(f"frozen[{tag}]", r["frozen_share"], "x", f"{tag}: the share of S no optimizer updates")
             rec.add(
                 f"extra_memory[{tag}]",
                 r["extra_over_S"],
                 "x",
                 f"{tag}: peak extra host memory (private + shm) / S, the state's bytes",
+            )
+            rec.add(
+                f"extra_first[{tag}]", r["extra_first_over_S"], "x", f"{tag}: the same, during the first save"
+            )
+            rec.add(
+                f"extra_later[{tag}]",
+                r["extra_later_over_S"],
+                "x",
+                f"{tag}: the same, during the later saves",
             )
             rec.add(f"first_stall[{tag}]", first, "x", f"{tag}: the first save's stall / a memcpy of S")
             rec.add(f"later_stall[{tag}]", later, "x", f"{tag}: later saves' stall, median / a memcpy of S")

@@ -880,33 +880,87 @@ _MEMORY_ROWS = (
     ("smartckpt", "smartckpt, API"),
     ("smartckpt run (RAM tier)", "smartckpt run (RAM tier, one slot: the default)"),
     ("smartckpt run (ram_slots 2)", "smartckpt run, `ram_slots: 2`"),
+    (
+        "smartckpt run (memory_budget 2.5 S)",
+        "smartckpt run, `memory_budget` 2.5 S (two slots, by the budget)",
+    ),
+    ("smartckpt (memory_budget 0.5 S)", "smartckpt, API, `memory_budget` 0.5 S (saves in pieces)"),
+)
+_LORA_ROWS = (
+    ("smartckpt, LoRA-shaped", "smartckpt, API, the whole model registered"),
+    ("smartckpt, LoRA-shaped: adapters alone", "smartckpt, API, its adapters alone (the ideal save)"),
+    ("smartckpt run, LoRA-shaped", "smartckpt run (RAM tier), the whole model"),
 )
 # A 7B full fine-tune on one 8-GPU node: bf16 weights and gradients on the GPUs, fp32 master
 # weights and two AdamW moments: the issue's 98 GB of state per node, the host's to stage.
 _NODE_STATE_GB = 98.0
+# A 13B LoRA on one 8-GPU node (DDP): each rank holds the 26 GB bf16 base and its adapters with
+# their moments (about 0.3 GB): the state each rank's checkpointer sees, times 8.
+_LORA_NODE_GB = 8 * 26.3
+
+
+def _memory_sizes(s: Any, f: str) -> list[tuple[str, str]]:
+    """(figure tag, the MLP's S) per size, smallest first."""
+    rows = [r for r in s.details(f)["rows"] if r["who"] == "smartckpt"] or s.details(f)["rows"]
+    out = []
+    for params in sorted({r["params"] for r in rows}):
+        state = next(r["state_bytes"] for r in rows if r["params"] == params)
+        out.append((f"{params / 1e6:g}M", f"{state / 1e9:.2f} GB"))
+    return out
+
+
+def _multiple(s: Any, f: str, key: str) -> str:
+    return s.fig(f, key, "{:.2f}").replace("×", " S")
 
 
 @section("save-memory")
 def save_memory(s: Any) -> list[str]:
     f = "save_memory"
-    sizes = sorted({r["state_bytes"] for r in s.details(f)["rows"]})
-    tags = [f"{b / 1e9:.2f} GB" for b in sizes]
+    sizes = _memory_sizes(s, f)
     # The stall this benchmark also records (save_memory.json) is left out of the table: with a
     # step of seconds on 2 cores, the step time's own noise is larger than a copy of S (negative
     # figures); first_save.py and the save-stall section measure stalls.
-    head = ["contender"]
-    for t in tags:
-        head.append(f"extra memory, S = {t}")
+    head = ["contender", *(f"extra memory, S = {gb}" for _, gb in sizes)]
     head.append(f"a 7B full fine-tune, {_NODE_STATE_GB:.0f} GB of state per node: extra host memory")
     out = [_row(head), _row(["---"] * len(head))]
     for who, label in _MEMORY_ROWS:
-        if not s.has(f, f"extra_memory[{who} @ {tags[0]}]"):
+        if not s.has(f, f"extra_memory[{who} @ {sizes[0][0]}]"):
             continue
-        cells = [label]
-        for t in tags:
-            key = f"{who} @ {t}"
-            cells.append(s.fig(f, f"extra_memory[{key}]", "{:.2f}").replace("×", " S"))
-        big = s.value(f, f"extra_memory[{who} @ {tags[-1]}]")
+        cells = [label, *(_multiple(s, f, f"extra_memory[{who} @ {tag}]") for tag, _ in sizes)]
+        big = s.value(f, f"extra_memory[{who} @ {sizes[-1][0]}]")
         cells.append(f"{big * _NODE_STATE_GB:.0f} GB")
         out.append(_row(cells))
+    lora = [(who, label) for who, label in _LORA_ROWS if s.has(f, f"extra_first[{who} @ {sizes[-1][0]}]")]
+    if not lora:
+        return out
+    tag = sizes[-1][0]
+    state = s.value(f, f"state[{lora[0][0]} @ {tag}]")
+    frozen = s.value(f, f"frozen[{lora[0][0]} @ {tag}]")
+    out += [
+        "",
+        f"The LoRA-shaped model (S = {state:.2f} GB, {frozen * 100:.0f} % of it frozen), first save and later ones:",
+        "",
+    ]
+    head = [
+        "contender",
+        "first save",
+        "later saves",
+        f"a 13B LoRA, {_LORA_NODE_GB:.0f} GB of state per node: first save",
+        "later saves",
+    ]
+    out += [_row(head), _row(["---"] * len(head))]
+    for who, label in lora:
+        first = s.value(f, f"extra_first[{who} @ {tag}]")
+        later = s.value(f, f"extra_later[{who} @ {tag}]")
+        out.append(
+            _row(
+                [
+                    label,
+                    _multiple(s, f, f"extra_first[{who} @ {tag}]"),
+                    _multiple(s, f, f"extra_later[{who} @ {tag}]"),
+                    f"{max(0.0, first) * _LORA_NODE_GB:.0f} GB",
+                    f"{max(0.0, later) * _LORA_NODE_GB:.0f} GB",
+                ]
+            )
+        )
     return out

@@ -96,8 +96,13 @@ class Settings:
     ram_dir: str | None = None  # where the RAM tier lives (a tmpfs); None: /dev/shm
     # 1: one copy of the state in shared memory, the staging buffer itself (a crash during a
     # snapshot's copy restores from disk); 2: the previous RAM snapshot stays whole while the
-    # next is copied, for a second copy of the state's size per rank
-    ram_slots: int = 1
+    # next is copied, for a second copy of the state's size per rank; 0: 2 when memory_budget
+    # has room for two copies, else 1
+    ram_slots: int = 0
+    # per rank: the most host memory a save holds beyond training (staging, RAM slots, encoder
+    # scratch): "16G", bytes; None: one copy of the state. Below one copy, saves go in pieces
+    # (engine/budget.py).
+    memory_budget: str | None = None
     # a spare interpreter, torch imported, waits to become the next attempt (supervise/warm.py)
     warm_restart: bool = True
 
@@ -167,13 +172,15 @@ class Settings:
             )
         if self.ram_every is not None and not self.ram_every > 0:
             raise ConfigError("ram_every must be positive (seconds)")
-        if self.ram_slots not in (1, 2):
-            raise ConfigError(f"ram_slots must be 1 or 2, not {self.ram_slots}")
-        if self.ram_budget is not None:
-            try:
-                parse_size(self.ram_budget)
-            except ValueError as err:
-                raise ConfigError(f"ram_budget: {err}") from None
+        if self.ram_slots not in (0, 1, 2):
+            raise ConfigError(f"ram_slots must be 0 (as memory_budget allows), 1 or 2, not {self.ram_slots}")
+        for name in ("ram_budget", "memory_budget"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_size(value)
+                except ValueError as err:
+                    raise ConfigError(f"{name}: {err}") from None
         for pat in self.no_restart_patterns:
             try:
                 re.compile(pat)

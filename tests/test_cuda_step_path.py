@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.engine.snapshot import _host_buffer
+from smartckpt_cli.engine.snapshot import host_buffer
 from smartckpt_cli.trigger.signals import Signals
 
 pytestmark = [
@@ -30,7 +30,7 @@ def test_the_readback_waits_for_nothing_until_asked():
 
 def test_staging_is_pinned_at_its_exact_size_and_takes_non_blocking_copies():
     shape = torch.Size([3, 1000, 1001])  # 12 MB: PyTorch's pinned allocator would hold 16 MiB
-    buf = _host_buffer(shape, torch.float32, pin=True)
+    buf = host_buffer(shape, torch.float32, pin=True)
     assert buf.is_pinned() and buf.shape == shape
     base = getattr(buf, "_smartckpt_base", None)
     assert base is not None and base.numel() < buf.numel() * 4 + 2 * 4096

@@ -121,6 +121,29 @@ def test_ddp_rank_sigkilled_under_smartckpt_run_finishes_bit_exact(tmp_path, chi
             assert e["world_size"] == 2 and len(e["parts"]) == 2
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_saves_in_pieces_on_two_ranks_resume_bit_exact(tmp_path, child_env_module, reference, mode):
+    """``memory_budget`` below the state (engine/budget.py): every rank copies and writes its part
+    a piece at a time (DDP's replicated entries still written once: hashed where they live), the
+    RAM tier stands down; a rank SIGKILLed, the run finishes bit-exact."""
+    rnd = random.Random(time.time_ns())
+    kill_at, kill_rank = rnd.randrange(6, TOTAL - 1), rnd.randrange(2)
+    env = {**child_env_module, "SMARTCKPT_MEMORY_BUDGET": "1M"}
+    rc, out = _smartckpt_run(
+        ["--dir", "ck", "--every", "5", "--", *TORCHRUN, "2", str(SCRIPT), "--mode", mode, "--total", str(TOTAL),
+         "--kill-at", str(kill_at), "--kill-rank", str(kill_rank), "--step-time", "0.05", "--out", "final"],
+        tmp_path, env,
+    )  # fmt: skip
+    assert rc == 0, f"kill at {kill_at} on rank {kill_rank}\n{out}"
+    _same(_final(tmp_path, "final"), reference[mode])
+    assert out.count("is above memory_budget") >= 2 and "RAM tier stands down" in out, out
+    commits = [e for e in _events(tmp_path / "ck" / "journal.jsonl") if e["event"] == "commit"]
+    assert commits and all(e["world_size"] == 2 for e in commits)
+    if mode == "ddp":  # the replicated model: one rank's part references the other's entries
+        part = json.loads((tmp_path / "ck" / commits[-1]["parts"][1][0]).read_text())
+        assert any("ref" in e for e in part["entries"].values()), part["entries"].keys()
+
+
 def test_fsdp2_save_kill_restore_same_world_size_bit_exact(tmp_path, child_env_module, reference):
     args = ["--mode", "fsdp", "--dir", "ck", "--every", "5", "--total", str(TOTAL), "--out", "final"]
     rc, out = _torchrun(

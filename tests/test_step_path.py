@@ -18,7 +18,7 @@ import torch
 import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine.cadence import DECIDE_LATENCY, StepClock, decide_gap
-from smartckpt_cli.engine.snapshot import _host_buffer
+from smartckpt_cli.engine.snapshot import host_buffer
 from smartckpt_cli.trigger.adaptive import AdaptivePolicy
 from smartckpt_cli.trigger.bounded import Bounded
 from smartckpt_cli.trigger.context import TriggerContext
@@ -295,7 +295,7 @@ def test_staging_is_prepared_at_the_first_step_and_the_first_save_reuses_it(tmp_
 
 
 def test_pinning_that_fails_falls_back_to_pageable_memory():
-    buf = _host_buffer(torch.Size([3, 5]), torch.float16, pin=True)  # no CUDA here: cannot pin
+    buf = host_buffer(torch.Size([3, 5]), torch.float16, pin=True)  # no CUDA here: cannot pin
     if torch.cuda.is_available():
         pytest.skip("this machine can pin memory")
     assert buf.shape == (3, 5) and buf.dtype == torch.float16 and not buf.is_pinned()

@@ -44,6 +44,7 @@ from smartckpt_cli.engine import ddp_layout, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
+from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
@@ -202,6 +203,9 @@ class CheckpointManager(StepPath, SavePath):
         self._hooks: list[Any] = []
         self._lazy_snapshot: Any = None  # the snapshot whose deferred copies are still running
         self._stager = Stager()
+        # memory_budget (engine/budget.py): a save in pieces through one buffer, or None
+        self._pager: Pager | None = None
+        self._budgeted, self._budget_line = False, None  # planned for the state; its line, said once
         # What the next save need not copy: unchanged since the last commit (unchanged.py).
         self._unchanged = Unchanged(rotation=s.reverify_saves)
         # Under smartckpt run: the RAM tier, staging in shared memory that outlives this process

@@ -70,13 +70,19 @@ def _digest(item: Any, known: dict[str, list[Any]], chunk_bytes: int) -> str:
     the RAM tier did not make them already: the writer reuses them (each chunk hashed once)."""
     # The key is compared separately; dtype, shape and transform make equal bytes equal entries.
     head = f"{item.dtype}|{item.shape}|{item.plan.transform}|{item.plan.tier}|"
-    if item.tensor is None:
+    if item.ref is not None:
         # Referenced from this rank's last part (engine/unchanged.py): kept in this rank's part,
         # never planned as a copy of another rank's (its bytes were not read, to compare).
         return head + f"own:{_PROCESS}:{item.plan.key}"
+    # A save in pieces (engine/pager.py): not copied yet. A CPU tensor is hashed where it lives
+    # (it cannot change before the pager copied it: the save call or the optimizer step waits);
+    # one on a device would have to be copied to the host twice: this rank writes its own.
+    source = item.tensor if item.live is None else item.live
+    if item.live is not None and (source.device.type != "cpu" or not source.is_contiguous()):
+        return head + f"own:{_PROCESS}:{item.plan.key}"
     chunks = known.get(item.plan.key)
     if chunks is None:
-        chunks = chunk_hashes(tensor_bytes(item.tensor.contiguous()), chunk_bytes)
+        chunks = chunk_hashes(tensor_bytes(source.contiguous()), chunk_bytes)
         known[item.plan.key] = chunks
     return head + codec.raw_hash(",".join(f"{n}:{h}" for n, h in chunks).encode())
 

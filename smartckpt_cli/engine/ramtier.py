@@ -73,7 +73,7 @@ class RamTier:
         self.dir, self.budget, self.store_id = rank_dir, budget, store_id
         self.rank, self.world = rank, world
         self.every = settings.ram_every
-        self.nslots = settings.ram_slots
+        self.nslots = settings.ram_slots or 1  # 0: as memory_budget allows (plan's ``slots``)
         self.chunk_bytes = settings.chunk_mb << 20
         # a restore's copy out of the slot is memory-bound: no more threads than this rank's
         # share of the cores (the node's ranks restore at the same time)
@@ -127,12 +127,16 @@ class RamTier:
 
     # ------------------------------------------------------------------ slots
 
-    def plan(self, specs: list[Spec], nice: int = 10) -> bool:
-        """Size both slots for ``specs`` (module docstring, 2): checked here, allocated by a
+    def plan(self, specs: list[Spec], nice: int = 10, count: int | None = None) -> bool:
+        """Size the slots for ``specs`` (module docstring, 2): checked here, allocated by a
         low-priority background thread (as the stager prepares its buffers); False when the tier
-        stood down. A snapshot before the slots are ready goes to private buffers."""
+        stood down. A snapshot before the slots are ready goes to private buffers. ``count``:
+        how many the memory budget allows (engine/budget.py), 1 or 2; None: as before."""
         if not self.active:
             return False
+        if count is not None and count != self.nslots:
+            self.wait_ready()
+            self.nslots, self.size = count, 0  # laid out again below
         sizes = [(sp.key, _nbytes(sp.shape, sp.dtype)) for sp in specs]
         offsets, size = ramarea.layout(sizes)
         if offsets == self.offsets and size == self.size:

@@ -33,11 +33,12 @@ from smartckpt_cli.engine import ddp_layout, distributed, heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CommitObserver
+from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
-from smartckpt_cli.engine.snapshot import Stager, take_snapshot
+from smartckpt_cli.engine.snapshot import Stager, staging_specs, take_snapshot
 from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import UnsupportedValueError
@@ -66,7 +67,7 @@ class SaveHandle:
         self._future = future
         self._snapshot = snapshot
         self.blocking_seconds = 0.0  # time save() itself blocked the caller (the eager copies)
-        self.lazy = bool(snapshot is not None and snapshot.lazy)
+        self.lazy = bool(snapshot is not None and snapshot.guards)
 
     @property
     def copied(self) -> tuple[str, ...]:
@@ -84,7 +85,7 @@ class SaveHandle:
     @property
     def bytes_referenced(self) -> int:
         snap = self._snapshot
-        return sum(i.nbytes for i in snap.items if i.tensor is None) if snap is not None else 0
+        return sum(i.nbytes for i in snap.items if i.ref is not None) if snap is not None else 0
 
     @property
     def loop_wait_seconds(self) -> float:
@@ -170,6 +171,7 @@ class SavePath:
     _persister: Persister
     _saver: ThreadPoolExecutor
     _stager: Stager
+    _pager: Pager | None
     _objects: dict[str, tuple[str, Any]]
     _optimizers: list[Any]
     _meta: dict[str, Any]
@@ -200,6 +202,8 @@ class SavePath:
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
+    _plan_budget: Callable[[Any], Any]  # stepping.py
+    _budgeted: bool
 
     def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
         """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
@@ -252,6 +256,13 @@ class SavePath:
             raise RuntimeError("CheckpointManager is closed")
         t0 = time.perf_counter()
         self.wait()  # one save in flight: its staging buffers are about to be refilled
+        if self.settings.memory_budget and not self._budgeted and objects is None:
+            try:  # a save before the first step: what the budget allows (stepping.py)
+                self._plan_budget(
+                    staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
+                )
+            except Exception as err:  # the snapshot below raises it again, as a failed save
+                logger.debug("memory budget not planned: %s", err)
         # The RAM tier's free slot (ramtier.py): the snapshot's staging buffers are its memory.
         ram = self._ram.begin() if self._ram is not None else None
         if ram_only and ram is None:
@@ -272,6 +283,7 @@ class SavePath:
                 unchanged=self._unchanged if objects is None else None,
                 slot=(ram[0], self._ram.layout) if ram is not None and self._ram is not None else None,
                 ram_only=ram_only,
+                pager=self._pager if ram is None else None,
             )
         except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
             self._stager.use(None)
@@ -317,7 +329,7 @@ class SavePath:
         self._trace.flush()
         if healthy:
             self._scheduled = (step, snap_time)
-        if snap.lazy:
+        if snap.guards:
             self._lazy_snapshot = snap
         # The schedule moved: ask the policy at the next step; that step's time is not a step's.
         self._quiet, self._wish = (-math.inf, -math.inf), None
@@ -341,7 +353,7 @@ class SavePath:
         recorded, nothing written to disk; the disk's schedule does not move) or a checkpoint."""
         future: Future[Any]
         if ram_only:
-            if snap.lazy:
+            if snap.guards:
                 self._lazy_snapshot = snap
             self._clock.skip()
             self._uncalm()
@@ -351,6 +363,10 @@ class SavePath:
         if self._ram is not None:
             self._ram_due = time.monotonic() + self._ram.interval()
         handle = SaveHandle(snap.step, future, snap)
+        if snap.pager is not None:
+            # In pieces (engine/pager.py): what no optimizer step guards may change at once, so
+            # the call waits until the writer copied it (all of it on the eager path).
+            (snap.early if snap.guards else snap.copied).wait()
         handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
         return handle
@@ -394,6 +410,12 @@ class SavePath:
         }
 
     def _persist(self, snap: Any, snap_time: float, next_step: Values | None = None) -> CommitInfo:
+        try:
+            return self._persist_snapshot(snap, snap_time, next_step)
+        finally:
+            snap.release()  # a save in pieces that stopped early: the loop never waits on it
+
+    def _persist_snapshot(self, snap: Any, snap_time: float, next_step: Values | None) -> CommitInfo:
         if next_step is not None:  # CUDA: long read back by now (the snapshot copy came after it)
             snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
         # in the RAM tier first (with the next step's values: a restore from RAM checks them

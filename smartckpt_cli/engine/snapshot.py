@@ -50,7 +50,7 @@ from smartckpt_cli.state.optstate import moment_keys, param_shapes
 from smartckpt_cli.state.tiers import EntryPlan, TierRule, classify
 from smartckpt_cli.state.tree import flatten
 
-__all__ = ["Item", "Snapshot", "Spec", "Stager", "staging_specs", "take_snapshot"]
+__all__ = ["Item", "Snapshot", "Spec", "Stager", "host_buffer", "staging_specs", "take_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ class Item:
     # Unchanged since the last committed checkpoint (engine/unchanged.py): its manifest entry
     # there, used as it is (nothing copied, hashed or written); None: staged.
     ref: dict[str, Any] | None = None
+    # A save in pieces (engine/pager.py): the live tensor, copied piece by piece by the writer;
+    # ``guarded``: an optimizer's pre-hook keeps it from changing until then; ``part``: this item
+    # is the bytes of the whole tensor from this offset on (its ``tensor`` flat, ``shape`` whole).
+    live: torch.Tensor | None = None
+    guarded: bool = False
+    part: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -101,18 +107,33 @@ class Snapshot:
     # The RAM tier's hashes of the staged bytes ([length, raw hash] per chunk, by key), set when
     # it recorded this snapshot: the writer reuses them (each chunk hashed once per save).
     ram_hashes: dict[str, list[Any]] = field(default_factory=dict)
+    # A save in pieces (engine/pager.py): the writer copies the deferred items through it;
+    # ``early`` is set once the items no optimizer guards are copied (the save call waits for it).
+    pager: Any = None
+    early: threading.Event = field(default_factory=threading.Event)
 
     @property
     def staged(self) -> list[Item]:
-        """The items copied into staging buffers (not referenced)."""
-        return [i for i in self.items if i.tensor is not None]
+        """The items copied (or, in pieces, to be copied): all but the referenced ones."""
+        return [i for i in self.items if i.ref is None]
+
+    @property
+    def guards(self) -> bool:
+        """Whether an optimizer step must wait for copies still to come (lazy or in pieces)."""
+        return bool(self.lazy) or (self.pager is not None and any(i.guarded for i in self.items))
+
+    def release(self) -> None:
+        """The save thread is done with the live tensors (written, or failed): nothing waits."""
+        self.early.set()
+        self.copied.set()
 
     def finish_copies(self) -> None:
         """Background side of the lazy path: copy what the snapshot deferred (CPU), then let the
         optimizer step go on. Always releases the guard, even if a copy fails. Once only: after
         the guard is released the live tensors move on (the RAM tier's commit and the writer
-        both wait for the copies; a second copy would take the next step's values)."""
-        if self.copied.is_set():
+        both wait for the copies; a second copy would take the next step's values). A save in
+        pieces copies in the writer (engine/pager.py): nothing here."""
+        if self.copied.is_set() or self.pager is not None:
             return
         try:
             for buf, live in self.lazy:
@@ -174,7 +195,7 @@ def _registered_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | N
     return buf
 
 
-def _host_buffer(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def host_buffer(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer for one entry: pinned when ``pin`` and possible (module docstring)."""
     if pin:
         buf = _registered_empty(shape, dtype)
@@ -232,7 +253,7 @@ class Stager:
                     pass
             try:
                 for sp in todo:
-                    buf = _host_buffer(sp.shape, sp.dtype, sp.pin and self._pin)
+                    buf = host_buffer(sp.shape, sp.dtype, sp.pin and self._pin)
                     if buf.numel() and not buf.is_pinned():
                         buf.zero_()  # fault the pages in now, not in the first save's copy
                     self._buffers[sp.key] = buf
@@ -267,7 +288,7 @@ class Stager:
             self.missed = True
         buf = self._buffers.get(key)
         if not self._fits(buf, t.shape, t.dtype):
-            buf = _host_buffer(t.shape, t.dtype, self._pin and t.device.type == "cuda")
+            buf = host_buffer(t.shape, t.dtype, self._pin and t.device.type == "cuda")
             self._buffers[key] = buf
         assert buf is not None
         return buf
@@ -322,6 +343,7 @@ def take_snapshot(
     unchanged: Unchanged | None = None,
     slot: Any = None,
     ram_only: bool = False,
+    pager: Any = None,
 ) -> Snapshot:
     """Copy every registered object's state. ``objects``: name -> (kind, object with state_dict).
 
@@ -330,7 +352,8 @@ def take_snapshot(
     ``unchanged``: what is proven unchanged since the last committed checkpoint is referenced,
     not copied (engine/unchanged.py; ``trained``: storage pointers of the parameters optimizers
     update, never referenced; ``slot``: the RAM slot copied into, ``ram_only``: a RAM snapshot
-    alone)."""
+    alone). ``pager``: a save in pieces (engine/pager.py): nothing is copied here, the writer
+    copies the items a piece at a time."""
     stager.ready()
     trees: dict[str, dict[str, Any]] = {}
     dropped: list[str] = []
@@ -376,6 +399,13 @@ def take_snapshot(
         if decided is not None and key in decided.refs:
             items.append(Item(plan, None, t.dtype, list(t.shape), ref=decided.refs[key]))
             continue
+        if pager is not None:
+            guarded = lazy_params is not None and (
+                kind == "optimizer" or t.untyped_storage().data_ptr() in lazy_params
+            )
+            any_cuda |= t.device.type == "cuda"
+            items.append(Item(plan, None, t.dtype, list(t.shape), live=t.detach(), guarded=guarded))
+            continue
         if lazy_params is not None and (kind == "optimizer" or t.untyped_storage().data_ptr() in lazy_params):
             staged = stager.reserve(key, t)
             lazy.append((staged, t.detach()))
@@ -385,7 +415,7 @@ def take_snapshot(
         items.append(Item(plan, staged, t.dtype, list(t.shape)))
     # Private buffers are dropped once a snapshot fitted the RAM tier's slot whole (memory stays
     # the slots' alone); else those of entries no longer in the state.
-    whole = stager.slot is not None and not stager.missed
+    whole = (stager.slot is not None and not stager.missed) or pager is not None
     stager.forget_except(set() if whole else {i.plan.key for i in items if i.tensor is not None})
     ready = lazy_event = None
     if any_cuda:
@@ -401,11 +431,11 @@ def take_snapshot(
         lazy_event = torch.cuda.Event()
         lazy_event.record(stream)
     snap = Snapshot(step, reason, score, trees, items, meta, ready=ready, dropped=dropped, lazy=lazy)
-    snap.lazy_event = lazy_event
+    snap.lazy_event, snap.pager = lazy_event, pager
     if decided is not None:
         snap.fingerprints = decided.fps
         snap.verify = _verify_bytes(decided.verify, found)
-    if not lazy:
+    if not lazy and pager is None:
         snap.copied.set()
     return snap
 

@@ -30,16 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from smartckpt_cli.config import Settings
+from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.engine import heartbeat
+from smartckpt_cli.engine.budget import StagingPlan, encoder_reserve, encoding_for, plan_staging
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
+from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
-from smartckpt_cli.engine.snapshot import Stager, staging_specs
+from smartckpt_cli.engine.snapshot import Spec, Stager, staging_specs
 from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.trigger.cost import SaveCost
@@ -72,6 +74,9 @@ class StepPath:
     settings: Settings
     policy: Policy
     _precursor: bool
+    _pager: Pager | None
+    _budgeted: bool
+    _budget_line: str | None
     _signals: Signals
     _memory: MemoryProbe
     _clock: StepClock
@@ -118,6 +123,7 @@ class StepPath:
     _first_step_report: bool
     _save: Callable[..., SaveHandle]
     _save_failed: Callable[[int, BaseException], str]
+    wait: Callable[[], Any]
     _preempted: Callable[[int, int, StepResult], StepResult]
 
     def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
@@ -453,12 +459,50 @@ class StepPath:
         except Exception as err:  # the save allocates what it needs, as before
             logger.debug("staging not prepared: %s", err)
             return
+        plan = self._plan_budget(specs)
+        if plan.piece is not None:
+            return  # a save in pieces: one buffer of a piece's size, made by the first save (pager.py)
         # With the RAM tier the staging buffers are its slots, in shared memory (ramtier.py).
-        if self._ram is not None and self._ram.plan(specs, nice=self.settings.background_nice):
+        if self._ram is not None and self._ram.plan(
+            specs, nice=self.settings.background_nice, count=plan.slots
+        ):
             if not math.isfinite(self._ram_due):
                 self._ram_due = time.monotonic() + self._ram.interval()
             return
         self._stager.prepare(specs, nice=self.settings.background_nice)
+
+    def _plan_budget(self, specs: list[Spec]) -> StagingPlan:
+        """What ``memory_budget`` allows for a state of ``specs`` (engine/budget.py): the RAM
+        slots, or a save in pieces; said once when it changes how saves run."""
+        s = self.settings
+        state = sum(sp.shape.numel() * torch.empty((), dtype=sp.dtype).element_size() for sp in specs)
+        # the encoders' scratch sized to the state (a small state's would be larger than the state)
+        chunk, workers = encoding_for(state, chunk=s.chunk_mb << 20, workers=s.n_workers)
+        if (chunk, workers) != (self._persister.chunk_bytes, self._persister.workers):
+            self.wait()  # between saves
+            self._persister.tune(chunk, workers)
+            if self._ram is not None:
+                self._ram.chunk_bytes = chunk  # the RAM tier's hashes are the writer's chunks
+        plan = plan_staging(
+            state,
+            budget=parse_size(s.memory_budget) if s.memory_budget else None,
+            reserve=encoder_reserve(workers, chunk),
+            chunk=chunk,
+            ram=self._ram is not None and self._ram.active,
+            slots=s.ram_slots,
+        )
+        self._budgeted = True
+        if plan.line is not None and plan.line != self._budget_line:
+            logger.warning("smartckpt: %s", plan.line)
+        self._budget_line = plan.line
+        if plan.piece is None:
+            self._pager = None
+        else:
+            if self._ram is not None:
+                self._ram.active = False  # said in the plan's line
+            if self._pager is None or self._pager.piece != plan.piece:
+                self._pager = Pager(plan.piece, chunk)
+        return plan
 
     def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
         return TriggerContext(

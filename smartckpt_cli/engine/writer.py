@@ -94,12 +94,8 @@ class Persister:
     ) -> None:
         self.storage, self.blobs, self.journal, self.store_id = storage, blobs, journal, store_id
         self.level, self.chunk_bytes = level, chunk_bytes
-        self.pool = ThreadPoolExecutor(
-            max_workers=max(1, workers),
-            thread_name_prefix="smartckpt-enc",
-            initializer=lower_priority,
-            initargs=(nice,),
-        )
+        self.workers, self._nice = max(1, workers), nice
+        self.pool = self._new_pool()
         # (raw hash, raw length) -> (blob id, codec, encoded length): identical content is not
         # encoded again, let alone written.
         self.known: dict[tuple[str, int], tuple[str, str, int]] = {}
@@ -110,6 +106,23 @@ class Persister:
         self.scrub: Scrubber | None = None
         self._last_new = 0  # bytes the previous save wrote new: the next one's scrub budget
         self.scrubbed: dict[str, Any] = {}  # what the last save's scrub did (store/scrub.py)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(
+            max_workers=self.workers,
+            thread_name_prefix="smartckpt-enc",
+            initializer=lower_priority,
+            initargs=(self._nice,),
+        )
+
+    def tune(self, chunk_bytes: int, workers: int) -> None:
+        """Chunk size and encoder threads for the state's size (engine/budget.py). Only between
+        saves: the caller waited for the one in flight."""
+        self.chunk_bytes = chunk_bytes
+        if max(1, workers) != self.workers:
+            self.workers = max(1, workers)
+            old, self.pool = self.pool, self._new_pool()
+            old.shutdown(wait=True)  # its threads' scratch goes with them
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -223,9 +236,24 @@ class Persister:
     def write_entries(self, snap: Snapshot, items: list[Any]) -> Written:
         """Phase 1 for ``items``: every blob durable; returns their manifest entries. A
         referenced item (unchanged since the last committed checkpoint: engine/unchanged.py) is
-        that checkpoint's entry as it is: nothing read, hashed or written for it."""
-        referenced = [it for it in items if it.tensor is None]
-        written = self._write_staged(snap, [it for it in items if it.tensor is not None], referenced)
+        that checkpoint's entry as it is: nothing read, hashed or written for it. A save in
+        pieces (``snap.pager``, engine/pager.py) copies and writes the others a piece at a time."""
+        referenced = [it for it in items if it.ref is not None]
+        staged = [it for it in items if it.ref is None]
+        self._begun.clear()
+        if self.scrub is not None:
+            self.scrub.begin_save(self._last_new)
+        damaged = self._scrub_referenced(referenced)
+        if snap.pager is None:
+            written = self._write_staged(snap, staged)
+        else:
+            written = Written({}, 0, 0, 0, snap.health)
+            for piece in snap.pager.pieces(snap, staged):
+                written.add(self._write_staged(snap, piece))
+        self._last_new = written.bytes_new
+        if self.scrub is not None:
+            self.scrubbed = self.scrub.end_save()
+        written.restage = damaged
         for it in referenced:
             written.entries[it.plan.key] = dict(it.ref)
             written.bytes_total += sum(int(c[4]) for s in _streams_of(it.ref) for c in s)
@@ -258,7 +286,8 @@ class Persister:
                         again.append(it.plan.key)
         return sorted(set(again))
 
-    def _write_staged(self, snap: Snapshot, items: list[Any], referenced: list[Any] | None = None) -> Written:
+    def _write_staged(self, snap: Snapshot, items: list[Any]) -> Written:
+        """The blobs of ``items`` (their bytes staged) durable; their manifest entries."""
         known = snap.ram_hashes  # hashed once per save: by the RAM tier, when it took this snapshot
         reduced = list(
             self.pool.map(
@@ -272,10 +301,6 @@ class Persister:
             jobs.extend(patch)
             n_patch = 0 if red.patch_index is None else red.patch_index.numel()
             layout.append((len(data), len(patch), n_patch))
-        self._begun.clear()
-        if self.scrub is not None:
-            self.scrub.begin_save(self._last_new)
-        damaged = self._scrub_referenced(referenced or [])
         results = _gather([self.pool.submit(self._put, job) for job in jobs], lambda r: r[1])
         pending = [p for _, p in results if p is not None]
         _gather([self.pool.submit(p.finish) for p in pending], lambda _: None, cleanup=pending)
@@ -293,9 +318,6 @@ class Persister:
         pos = 0
         bytes_new = sum(r[0][4] for r in results if r[1] is not None)
         bytes_total = sum(r[0][4] for r in results)
-        self._last_new = bytes_new
-        if self.scrub is not None:
-            self.scrubbed = self.scrub.end_save()
         bytes_raw = 0
         for item, (red, _, _), (n_data, n_pchunks, n_patch) in zip(items, reduced, layout, strict=True):
             data_chunks = [r[0] for r in results[pos : pos + n_data]]
@@ -312,7 +334,7 @@ class Persister:
                 "data": {"chunks": data_chunks},
                 "patch": {"n": n_patch, "chunks": patch_chunks} if n_patch else None,
             }
-        return Written(entries, bytes_new, bytes_total, bytes_raw, health, restage=damaged)
+        return Written(entries, bytes_new, bytes_total, bytes_raw, health)
 
     def write_manifest(
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
@@ -379,6 +401,21 @@ class Written:
     health: str
     changed: list[str] = field(default_factory=list)  # keys found changed behind their counter
     restage: list[str] = field(default_factory=list)  # referenced keys whose blob is damaged
+
+    def add(self, piece: Written) -> None:
+        """A piece of a save in pieces (engine/pager.py) added: a tensor cut over several pieces
+        is one entry, its chunks in order."""
+        for key, entry in piece.entries.items():
+            have = self.entries.get(key)
+            if have is None:
+                self.entries[key] = entry
+            else:
+                have["data"]["chunks"].extend(entry["data"]["chunks"])
+        self.bytes_new += piece.bytes_new
+        self.bytes_total += piece.bytes_total
+        self.bytes_raw += piece.bytes_raw
+        if self.health == "ok":
+            self.health = piece.health
 
 
 def _streams_of(entry: dict[str, Any]) -> list[list[Any]]:
