@@ -684,3 +684,72 @@ except OSError as err:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines() == ["4 MB: ENOSPC True", f"grown: ENOSPC True {1 << 20} 7"], out.stdout
+
+
+def test_a_failed_snapshot_keeps_the_ram_tier_and_what_its_slot_holds(tmp_path, area, monkeypatch, caplog):
+    """A save whose ``state_dict()`` raises, with the RAM tier's one slot already handed out and a
+    frozen layer referenced in it (unchanged since the last RAM snapshot): the failure is one
+    save's; the next RAM snapshots still find the frozen entries in place (they were never
+    rewritten), the tier stays up, and a new process restores the newest one from RAM, exactly."""
+    import logging
+
+    import smartckpt_cli as sc
+
+    monkeypatch.setenv(ramarea.ENV_AREA, str(area))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    model[0].requires_grad_(False)  # frozen: referenced by every RAM snapshot after the first
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    orig = model.state_dict
+    armed = {"fail": False}
+
+    def flaky(*args, **kwargs):
+        if armed["fail"]:
+            armed["fail"] = False
+            raise RuntimeError("state_dict failed once")
+        return orig(*args, **kwargs)
+
+    def train(step):
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with (
+        caplog.at_level(logging.WARNING),
+        sc.CheckpointManager(tmp_path / "st", every_steps=1000, ram_every=1e-3) as mgr,
+    ):
+        mgr.register(model=model, optimizer=opt)
+        model.state_dict = flaky
+        for step in range(1, 7):
+            train(step)
+            mgr.step(step)
+            mgr.wait()
+        before = ramarea.read_record(area / "rank0")
+        assert before is not None and before["step"] == 6
+        armed["fail"] = True
+        train(7)
+        mgr.save(7)  # the snapshot raises: a failed save, the slot handed back
+        mgr.wait()
+        assert not armed["fail"] and any("state_dict failed once" in f for f in mgr.failures)
+        for step in range(8, 12):
+            train(step)
+            mgr.step(step)
+            mgr.wait()
+        expected = {k: v.clone() for k, v in orig().items()}
+        expected_opt = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    assert not [r for r in caplog.records if "stands down" in r.getMessage()], caplog.text
+    rec = ramarea.read_record(area / "rank0")
+    assert rec is not None and rec["step"] == 11
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    fresh[0].requires_grad_(False)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+    with sc.CheckpointManager(tmp_path / "st") as mgr:
+        mgr.register(model=fresh, optimizer=fresh_opt)
+        assert mgr.restore() == 11
+        assert mgr._restored_from == "ram"
+    for k, v in expected.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    for k, v in expected_opt.items():
+        assert torch.equal(fresh_opt.state_dict()["state"][0][k], v), k
