@@ -64,3 +64,34 @@ def test_a_manager_evaluates_and_saves_cuda_state(tmp_path):
         torch.equal(a, b)
         for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+def test_the_ram_tiers_slot_is_pinned_for_a_state_on_the_gpu(tmp_path, monkeypatch):
+    """A state on the GPU: the RAM tier's slot (shared memory) is registered with CUDA, so the
+    snapshot's device-to-host copies into it run at pinned speed (issue 42, item 5)."""
+    from pathlib import Path
+
+    from smartckpt_cli.store import ramarea
+
+    area = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    area = area / f"smartckpt-test-pinned-{tmp_path.name}"
+    area.mkdir()
+    monkeypatch.setenv(ramarea.ENV_AREA, str(area))
+    model = torch.nn.Linear(256, 256, device="cuda")
+    opt = torch.optim.AdamW(model.parameters())
+    try:
+        with sc.CheckpointManager(tmp_path / "st", every_steps=1000, ram_every=1e-3) as mgr:
+            mgr.register(model=model, optimizer=opt)
+            for step in range(1, 4):
+                model(torch.randn(8, 256, device="cuda")).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mgr.step(step)
+                mgr.wait()
+            bufs = mgr._ram.buffers[0]
+            assert bufs and all(b.is_pinned() for b in bufs.values())
+            assert ramarea.read_record(area / "rank0")["step"] == 3
+    finally:
+        import shutil
+
+        shutil.rmtree(area, ignore_errors=True)

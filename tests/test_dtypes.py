@@ -193,6 +193,17 @@ def test_all_finite_finds_one_bad_value(dtype):
     assert all_finite(torch.empty(0, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("where", [0, (1 << 20) - 1, 1 << 20, 3 * (1 << 20) + 5])
+def test_all_finite_checks_every_block_of_a_large_tensor(dtype, where):
+    """The check runs a block of 2**20 values at a time (small temporaries): a bad value at either
+    edge of a block, or in the short last one, is found."""
+    t = torch.ones(3 * (1 << 20) + 6, dtype=dtype)
+    assert all_finite(t)
+    t[where] = float("nan")
+    assert not all_finite(t)
+
+
 @pytest.mark.parametrize("transform", ["bf16", "sqrt_fp16"])
 @pytest.mark.parametrize("dtype", ALL, ids=_names)
 def test_precision_transforms_touch_only_wider_floats(dtype, transform):

@@ -18,7 +18,7 @@ import torch
 import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine.cadence import DECIDE_LATENCY, StepClock, decide_gap
-from smartckpt_cli.engine.snapshot import host_buffer
+from smartckpt_cli.engine.snapshot import host_buffer, pin_region, unpin_region
 from smartckpt_cli.trigger.adaptive import AdaptivePolicy
 from smartckpt_cli.trigger.bounded import Bounded
 from smartckpt_cli.trigger.context import TriggerContext
@@ -292,6 +292,16 @@ def test_staging_is_prepared_at_the_first_step_and_the_first_save_reuses_it(tmp_
         assert res.saved and res.handle.wait() is not None
         after = {k: b.data_ptr() for k, b in mgr._stager._buffers.items()}
         assert after == before  # the save staged into the prepared buffers, allocating none
+
+
+def test_a_region_that_cannot_be_pinned_says_so():
+    """The RAM tier pins its slots for a state on a GPU (pin_region); without CUDA it says it
+    could not, and the slot stays plain shared memory."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine can pin memory")
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    assert pin_region(buf.data_ptr(), buf.numel()) is False
+    unpin_region(buf.data_ptr())  # harmless on memory never pinned
 
 
 def test_pinning_that_fails_falls_back_to_pageable_memory():

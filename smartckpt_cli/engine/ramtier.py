@@ -43,7 +43,7 @@ import psutil
 import torch
 
 from smartckpt_cli.config import Settings, parse_size
-from smartckpt_cli.engine.snapshot import Snapshot, Spec
+from smartckpt_cli.engine.snapshot import Snapshot, Spec, pin_region, unpin_region
 from smartckpt_cli.state.apply import Loaded
 from smartckpt_cli.state.dtypes import all_finite, dtype_name, lookup
 from smartckpt_cli.state.precision import byte_view, tensor_bytes
@@ -86,6 +86,8 @@ class RamTier:
         self.size = 0
         self._layout = 0  # bumped by every plan; a slot mapped for an older one is remapped
         self._mapped = [-1, -1]
+        self._pinned: list[int | None] = [None, None]  # a slot's address registered with CUDA
+        self._said_unpinned = False
         self._prep: threading.Thread | None = None
         self.committed: int | None = None  # the slot the record names
         self.cost = 0.0  # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed
@@ -204,9 +206,7 @@ class RamTier:
         if slot is not None and self._mapped[i] == self._layout:
             return slot.try_lock()
         if slot is not None:
-            self.buffers[i] = {}
-            slot.close()
-            self.slots[i] = None
+            self._unmap(i)
         slot = ramarea.Slot(self.dir / RAM_SLOTS[i], 0)  # opened, not yet sized
         if not slot.try_lock():
             slot.close()
@@ -219,6 +219,15 @@ class RamTier:
         base = torch.frombuffer(slot.map, dtype=torch.uint8, count=self.size)
         if touch:
             _fault_in(slot.map)
+        if any(sp.pin for sp in self.specs):  # the state is on a GPU: copies at pinned speed
+            if pin_region(base.data_ptr(), self.size):
+                self._pinned[i] = base.data_ptr()
+            elif not self._said_unpinned:
+                self._said_unpinned = True
+                logger.warning(
+                    "smartckpt: the RAM tier's slot could not be pinned (cudaHostRegister failed: "
+                    "ulimit -l?); device-to-host copies into it run at pageable speed"
+                )
         self.buffers[i] = {
             sp.key: base[self.offsets[sp.key] : self.offsets[sp.key] + _nbytes(sp.shape, sp.dtype)]
             .view(sp.dtype)
@@ -375,14 +384,22 @@ class RamTier:
             logger.warning("smartckpt: %s", why)
         self.active = False
 
+    def _unmap(self, i: int) -> None:
+        slot = self.slots[i]
+        self.buffers[i] = {}
+        pinned, self._pinned[i] = self._pinned[i], None
+        if pinned is not None:  # unpinned before the mapping goes
+            unpin_region(pinned)
+        if slot is not None:
+            slot.close()
+        self.slots[i] = None
+
     def close(self) -> None:
         """Unmap the slots (the files stay: the RAM area is smartckpt run's)."""
         self.wait_ready()
         for i, slot in enumerate(self.slots):
             if slot is not None:
-                self.buffers[i] = {}
-                slot.close()
-                self.slots[i] = None
+                self._unmap(i)
 
     # ------------------------------------------------------------------ restore
 

@@ -50,7 +50,17 @@ from smartckpt_cli.state.optstate import moment_keys, param_shapes
 from smartckpt_cli.state.tiers import EntryPlan, TierRule, classify
 from smartckpt_cli.state.tree import flatten
 
-__all__ = ["Item", "Snapshot", "Spec", "Stager", "host_buffer", "staging_specs", "take_snapshot"]
+__all__ = [
+    "Item",
+    "Snapshot",
+    "Spec",
+    "Stager",
+    "host_buffer",
+    "pin_region",
+    "staging_specs",
+    "take_snapshot",
+    "unpin_region",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +181,22 @@ def _unregister(ptr: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown, no runtime: the process's end unpins it anyway
         pass
+
+
+def pin_region(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for the CUDA driver (``cudaHostRegister``:
+    device-to-host copies into it run at pinned speed, asynchronously); False where that fails
+    (no CUDA runtime, ``ulimit -l``). :func:`unpin_region` before the memory goes away."""
+    if not torch.cuda.is_available() or nbytes <= 0:
+        return False
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+    except Exception:
+        return False
+
+
+def unpin_region(ptr: int) -> None:
+    _unregister(ptr)
 
 
 def _registered_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:

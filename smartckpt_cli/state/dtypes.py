@@ -92,6 +92,11 @@ def _byte_table(dtype: torch.dtype) -> np.ndarray:
     return finite.numpy().astype(bool)
 
 
+# Elements checked at a time: the check's temporaries stay small (a whole 1 GB tensor at once
+# would allocate 250 MB of booleans beside the staged state, which the allocator then keeps).
+_BLOCK = 1 << 20
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in a CPU tensor, for every dtype (integers and bool are always finite).
 
@@ -107,11 +112,14 @@ def all_finite(t: torch.Tensor) -> bool:
         return True
     flat = t.contiguous().reshape(-1)
     if dtype in _NUMPY_FLOAT:
-        return bool(np.isfinite(flat.numpy()).all())
+        arr = flat.numpy()
+        return all(bool(np.isfinite(arr[i : i + _BLOCK]).all()) for i in range(0, arr.size, _BLOCK))
     if dtype == torch.bfloat16:
         # An all-ones exponent (bits 7..14) is inf or NaN.
         bits = flat.view(torch.int16).numpy()
-        return not bool(((bits & 0x7F80) == 0x7F80).any())
+        return not any(
+            bool(((bits[i : i + _BLOCK] & 0x7F80) == 0x7F80).any()) for i in range(0, bits.size, _BLOCK)
+        )
     if dtype.itemsize == 1:
         return bool(_byte_table(dtype)[flat.view(torch.uint8).numpy()].all())
     try:

@@ -14,7 +14,7 @@ import mmap
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import xxhash
@@ -145,15 +145,50 @@ def _bytes_of(arr: Any) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def _squeeze(data: memoryview, level: int) -> tuple[int, bytes | memoryview]:
-    """(1, zstd frame) when it pays, else (0, the bytes as they are)."""
+def _squeeze(data: memoryview, level: int, slot: int = 0) -> tuple[int, bytes | memoryview]:
+    """(1, zstd frame) when it pays, else (0, the bytes as they are). The frame lives in this
+    thread's output buffer ``slot`` (:func:`_compress_scratch`): write it before the next call."""
     # A plane that shrinks by less than 5% is kept raw: decompressing it would cost more restore
     # time (~1 GB/s) than the bytes saved are worth.
     cctx = _compressor(level)
     if len(data) > 4 * _PROBE and len(cctx.compress(data[:_PROBE])) > _WORTH * _PROBE:
         return 0, data
-    comp = cctx.compress(data)
+    comp = _compress_scratch(cctx, data, slot)
     return (1, comp) if len(comp) < _WORTH * len(data) else (0, data)
+
+
+class _Sink:
+    """A growing output buffer of this thread that zstd streams a frame into."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.n = 0
+
+    def write(self, data: ReadableBuffer) -> int:
+        view = memoryview(data).cast("B")
+        end = self.n + len(view)
+        if end > len(self.buf):  # a new buffer, not a resize: the last frame's views stay valid
+            grown = bytearray(max(end, len(self.buf) * 3 // 2))
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : end] = view
+        self.n = end
+        return len(view)
+
+
+def _compress_scratch(cctx: zstandard.ZstdCompressor, data: memoryview, slot: int) -> memoryview:
+    """One zstd frame of ``data`` (its size in the header, as ``compress`` writes it) in buffer
+    ``slot`` of this thread, overwritten by the next call with that slot: a fresh output object
+    per chunk is a chunk-sized allocation freed right after, which the allocator keeps (about a
+    fifth of a small state held beside the staging copy, measured)."""
+    sinks: dict[int, _Sink] = _scratch.__dict__.setdefault("sinks", {})
+    sink = sinks.get(slot)
+    if sink is None:
+        sink = sinks[slot] = _Sink()
+    sink.n = 0
+    with cctx.stream_writer(cast("IO[bytes]", sink), size=len(data), closefd=False) as w:
+        w.write(data)
+    return memoryview(sink.buf)[: sink.n]
 
 
 def encode_chunk(raw: memoryview, itemsize: int, level: int) -> tuple[str, bytes | memoryview]:
@@ -177,7 +212,8 @@ def encode_chunk_parts(raw: memoryview, itemsize: int, level: int) -> tuple[str,
     if n < TINY or level < 0:
         return "raw", [raw]
     if itemsize in PLANES and n % itemsize == 0:
-        frames = [_squeeze(_bytes_of(p), level) for p in _split_planes_scratch(raw, itemsize)]
+        planes = _split_planes_scratch(raw, itemsize)
+        frames = [_squeeze(_bytes_of(p), level, i) for i, p in enumerate(planes)]
         if sum(len(f) for _, f in frames) >= n * 0.98:
             return "raw", [raw]
         head = bytes([len(frames)]) + b"".join(_HEADER.pack(flag, len(f)) for flag, f in frames)
