@@ -10,12 +10,14 @@
 #   bash benchmarks/gpu_check.sh RESULTS_DIR --cpu-smoke   # the same steps on the CPU, tiny sizes
 #                                                          # (or GPU_CHECK_DEVICE=cpu)
 #
-# Steps (GPU_CHECK_STEPS, in this order; default "tests step_cost loop_wait bench"):
+# Steps (GPU_CHECK_STEPS, in this order; default "tests step_cost loop_wait pinned bench"):
 #   tests       the CUDA tests: kill and resume bit for bit, through the API and zero-code
 #   step_cost   benchmarks/step_cost.py, API and zero-code: the monitoring cost, no save
 #               -> step_cost-gpu.json
 #   loop_wait   benchmarks/loop_wait.py --model bench: one save's loop wait from the loop's
 #               clock, smartckpt against DCP async_save -> loop_wait-gpu.json
+#   pinned      benchmarks/pinned_copy.py: device-to-host copies into pageable memory, the
+#               registered private staging and the registered RAM slot -> pinned_copy-gpu.json
 #   bench       smartckpt bench -> bench-gpu.json
 #   throughput  benchmarks/throughput.py --model bench: throughput with the default policy and
 #               its saves against none -> throughput-gpu.json. The policy's first save comes 90 s
@@ -43,7 +45,7 @@
 set -u
 
 usage() { echo "usage: bash benchmarks/gpu_check.sh RESULTS_DIR [--cpu-smoke]" >&2; exit 2; }
-ALL_STEPS="tests step_cost loop_wait bench throughput"
+ALL_STEPS="tests step_cost loop_wait pinned bench throughput"
 [ $# -ge 1 ] || usage
 RESULTS=$1
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
@@ -51,7 +53,7 @@ if [ "${2:-}" = "--cpu-smoke" ]; then DEVICE=cpu; elif [ $# -ge 2 ]; then usage;
 case $DEVICE in cpu | cuda) ;; *) echo "gpu_check: GPU_CHECK_DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 2 ;; esac
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-WANT=${GPU_CHECK_STEPS:-tests step_cost loop_wait bench}
+WANT=${GPU_CHECK_STEPS:-tests step_cost loop_wait pinned bench}
 for w in $WANT; do
     case " $ALL_STEPS " in *" $w "*) ;; *) echo "gpu_check: GPU_CHECK_STEPS: no step '$w' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
 done
@@ -114,8 +116,9 @@ if [ "$DEVICE" = cuda ]; then
     STEP_ARGS=()
     LOOP_ARGS=(--model bench --params "$MODEL_PARAMS" --batch "$BATCH" --rounds 3)
     TP_ARGS=(--model bench --params "$MODEL_PARAMS" --batch "$BATCH" --cycles 1 --a-share 0.5)
-    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=150 T_BENCH=300 T_THROUGHPUT=540
-    R_TESTS=45 R_STEP_COST=60 R_LOOP_WAIT=90 R_BENCH=180 R_THROUGHPUT=480
+    PINNED_ARGS=(--gb 2 --repeats 5)
+    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=150 T_PINNED=60 T_BENCH=300 T_THROUGHPUT=540
+    R_TESTS=45 R_STEP_COST=60 R_LOOP_WAIT=90 R_PINNED=20 R_BENCH=180 R_THROUGHPUT=480
 else # the dry run: tiny sizes, the same steps
     BUDGET=${GPU_CHECK_BUDGET:-330}
     PARAMS=${GPU_CHECK_PARAMS:-3e6}
@@ -125,8 +128,9 @@ else # the dry run: tiny sizes, the same steps
     STEP_ARGS=(--pairs 3 --block-seconds 0.3)
     LOOP_ARGS=(--model small --threads 1 --rounds 1 --before 5 --after 5)
     TP_ARGS=(--model small --threads 1 --cycles 1 --chunk 1)
-    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=60 T_BENCH=90 T_THROUGHPUT=400
-    R_TESTS=40 R_STEP_COST=60 R_LOOP_WAIT=20 R_BENCH=30 R_THROUGHPUT=250
+    PINNED_ARGS=(--gb 0.05 --repeats 3)
+    T_INSTALL=90 T_TESTS=120 T_STEP_COST=150 T_LOOP_WAIT=60 T_PINNED=30 T_BENCH=90 T_THROUGHPUT=400
+    R_TESTS=40 R_STEP_COST=60 R_LOOP_WAIT=20 R_PINNED=10 R_BENCH=30 R_THROUGHPUT=250
 fi
 wanted() { case " $WANT " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 # reserve_after NAME: the time kept for the wanted steps after NAME
@@ -197,6 +201,12 @@ fi
 if wanted loop_wait; then
     step loop_wait "$T_LOOP_WAIT" "$(reserve_after loop_wait)" "$PY" "$REPO/benchmarks/loop_wait.py" \
         --device "$DEVICE" "${LOOP_ARGS[@]}" --workdir "$WORK" --json "$RESULTS/loop_wait-gpu.json"
+fi
+
+# ---------------------------------------------------------------- pinned staging
+if wanted pinned; then
+    step pinned "$T_PINNED" "$(reserve_after pinned)" "$PY" "$REPO/benchmarks/pinned_copy.py" \
+        --device "$DEVICE" "${PINNED_ARGS[@]}" --json "$RESULTS/pinned_copy-gpu.json"
 fi
 
 # ---------------------------------------------------------------- the bench

@@ -217,6 +217,25 @@ def loop_wait_section(results: Path) -> list[str]:
     return [*out, ""]
 
 
+def pinned_section(results: Path) -> list[str]:
+    rec = _record(results / "pinned_copy-gpu.json")
+    out = ["## Device-to-host copies into staging buffers (`benchmarks/pinned_copy.py`)", ""]
+    if rec is None:
+        return [*out, "no pinned_copy-gpu.json (not asked for, or see gpu_check.log)", ""]
+    out += ["| buffer | GB/s | against pageable |", "|---|---|---|"]
+    for name in (
+        "pageable",
+        "private staging (registered)",
+        "RAM slot in /dev/shm (registered)",
+        "RAM slot in /dev/shm (not registered)",
+    ):
+        gbps, x = _fig(rec, f"gbps[{name}]"), _fig(rec, f"speedup[{name}]")
+        out.append(
+            f"| {name} | {'-' if gbps is None else f'{gbps:.2f}'} | {'-' if x is None else f'{x:.2f}x'} |"
+        )
+    return [*out, ""]
+
+
 def throughput_section(results: Path) -> list[str]:
     rec = _record(results / "throughput-gpu.json")
     out = ["## Throughput with the default policy and its saves (`benchmarks/throughput.py`)", ""]
@@ -252,6 +271,7 @@ def main() -> None:
         *tests_section(a.results / "pytest.xml", a.device),
         *step_cost_section(a.results),
         *loop_wait_section(a.results),
+        *pinned_section(a.results),
         *bench_section(a.results / "bench-gpu.json", a.device),
         *throughput_section(a.results),
         "Every step's output: gpu_check.log.",
