@@ -231,7 +231,7 @@ def test_gpu_check_refuses_a_step_it_does_not_have_in_one_line(tmp_path: Path) -
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "gpu_check: GPU_CHECK_STEPS: no step 'warp_drive' (steps: tests step_cost loop_wait bench throughput)"
+        "gpu_check: GPU_CHECK_STEPS: no step 'warp_drive' (steps: tests step_cost loop_wait pinned bench throughput)"
     ]
 
 
