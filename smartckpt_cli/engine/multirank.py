@@ -202,9 +202,7 @@ def _commit_on_rank0(
     )
     parts = [v["part"] for v in verdicts]
     try:
-        p.commit(
-            snap, cid, parts[0][0], manifest_bytes, total, extra={"world_size": len(verdicts), "parts": parts}
-        )
+        p.commit(snap, cid, parts[0][0], manifest_bytes, total, world_size=len(verdicts), parts=parts)
     except Exception as err:
         return f"rank 0 could not append the commit line: {type(err).__name__}: {err}"
     return None

@@ -37,13 +37,8 @@ from smartckpt_cli.state import precision
 from smartckpt_cli.state.dtypes import all_finite, dtype_name
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
-from smartckpt_cli.store.journal import (
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
-    Journal,
-    encode_manifest,
-    manifest_rel,
-)
+from smartckpt_cli.store.commit import CommitLine, commit, write_manifest
+from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION, Journal, manifest_rel
 from smartckpt_cli.store.scrub import Scrubber
 from smartckpt_cli.store.storage import Pending
 from smartckpt_cli.store.storage.base import Storage
@@ -216,8 +211,8 @@ class Persister:
         cid = uuid.uuid4().hex[:12]
         rel = manifest_rel(snap.step, cid)
         manifest_bytes = self.write_manifest(snap, cid, rel, written)
-        # IMPORTANT: the journal line below is the commit point. It is appended only after every
-        # blob and the manifest are durable; before it, this checkpoint does not exist.
+        # IMPORTANT: the commit line is the commit point (store/commit.py). It is appended only
+        # after every blob and the manifest are durable; before it, this checkpoint does not exist.
         self.commit(snap, cid, rel, manifest_bytes, written)
         return CommitInfo(
             snap.step,
@@ -339,7 +334,7 @@ class Persister:
     def write_manifest(
         self, snap: Snapshot, cid: str, rel: str, written: Written, extra: dict[str, Any] | None = None
     ) -> bytes:
-        """Phase 2: the manifest durable (tmp, fsync, rename, fsync dir); returns its bytes."""
+        """Phase 2: the manifest durable (store/commit.py); returns its bytes."""
         if snap.before_manifest is not None:
             snap.before_manifest(snap)
         manifest = {
@@ -356,9 +351,7 @@ class Persister:
             "not_stored": snap.dropped,
             **(extra or {}),
         }
-        manifest_bytes = encode_manifest(manifest)
-        self.storage.write(rel, manifest_bytes)
-        return manifest_bytes
+        return write_manifest(self.storage, rel, manifest)[0]
 
     def commit(
         self,
@@ -367,26 +360,29 @@ class Persister:
         rel: str,
         manifest_bytes: bytes,
         written: Written,
-        extra: dict[str, Any] | None = None,
+        *,
+        world_size: int | None = None,
+        parts: list[list[str]] | None = None,
     ) -> None:
-        """Phase 3, the commit point: append the journal ``commit`` line and fsync it."""
-        self.journal.append(
-            {
-                "event": "commit",
-                "step": snap.step,
-                "id": cid,
-                "manifest": rel,
-                "manifest_hash": codec.blob_id(manifest_bytes),
-                "health": written.health,
-                "calm": snap.calm,
-                "reason": snap.reason,
-                "score": snap.score,
-                "bytes_new": written.bytes_new,
-                "bytes_total": written.bytes_total,
-                # the training this checkpoint continues (engine/manager.py: lineage)
-                **({"lineage": snap.meta["lineage"]} if snap.meta.get("lineage") else {}),
-                **(extra or {}),
-            }
+        """Phase 3, the commit point (store/commit.py). ``world_size`` and ``parts``: a commit of
+        several ranks' parts (engine/multirank.py)."""
+        commit(
+            self.journal,
+            CommitLine(
+                step=snap.step,
+                id=cid,
+                manifest=rel,
+                manifest_hash=codec.blob_id(manifest_bytes),
+                health=written.health,
+                calm=snap.calm,
+                reason=snap.reason,
+                score=snap.score,
+                bytes_new=written.bytes_new,
+                bytes_total=written.bytes_total,
+                lineage=snap.meta.get("lineage") or None,
+                world_size=world_size,
+                parts=tuple(tuple(p) for p in parts) if parts is not None else None,
+            ),
         )
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from smartckpt_cli.errors import StoreDamagedError
 from smartckpt_cli.ops.verify import check
 from smartckpt_cli.store import codec
+from smartckpt_cli.store.commit import CommitLine
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import (
     JOURNAL,
@@ -179,29 +180,29 @@ def _verified(
 
 
 def _commit_line(o: _Orphan) -> dict[str, Any]:
+    """The line the checkpoint's commit would have written (store/commit.py's fields), marked
+    ``repaired``."""
     m, rec = o.manifest or {}, o.record
     assert rec is not None  # verified
     meta = m.get("meta") or {}
-    line: dict[str, Any] = {
-        "event": "commit",
-        "step": o.step,
-        "id": o.cid,
-        "manifest": rec.manifest,
-        "manifest_hash": rec.manifest_hash,
-        "health": str(m.get("health", "ok")),
-        "calm": bool(m.get("calm", True)),
-        "reason": str(meta.get("reason") or "repaired"),
-        "score": meta.get("score") if isinstance(meta.get("score"), int | float) else None,
-        "bytes_new": 0,  # unknown: what its save wrote is not in the manifest
-        "bytes_total": o.nbytes,
-        "repaired": True,
-    }
-    if isinstance(meta.get("lineage"), str):
-        line["lineage"] = meta["lineage"]
-    if rec.parts:
-        line["world_size"] = len(rec.parts)
-        line["parts"] = [[p.manifest, p.manifest_hash, *([p.dir_id] if p.dir_id else [])] for p in rec.parts]
-    return line
+    return CommitLine(
+        step=o.step,
+        id=o.cid,
+        manifest=rec.manifest,
+        manifest_hash=rec.manifest_hash,
+        health=str(m.get("health", "ok")),
+        calm=bool(m.get("calm", True)),
+        reason=str(meta.get("reason") or "repaired"),
+        score=meta.get("score") if isinstance(meta.get("score"), int | float) else None,
+        bytes_new=0,  # unknown: what its save wrote is not in the manifest
+        bytes_total=o.nbytes,
+        lineage=meta["lineage"] if isinstance(meta.get("lineage"), str) else None,
+        world_size=len(rec.parts) if rec.parts else None,
+        parts=tuple((p.manifest, p.manifest_hash, *([p.dir_id] if p.dir_id else [])) for p in rec.parts)
+        if rec.parts
+        else None,
+        repaired=True,
+    ).event()
 
 
 def _surviving_events(store: StoreDir) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from smartckpt_cli.remote.check import upload_lag
 from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.store.commit import replicated
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 
 __all__ = ["LocalBlobGone", "RemoteMismatch", "RoundPlan", "plan_round"]
@@ -43,4 +44,4 @@ class _LocalCorrupt(Exception):
 
 
 def _writer(journal: RemoteJournal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
-    return lambda: journal.write(seq, dict(rec.event), tag=rec.id)
+    return lambda: journal.write(seq, replicated(rec.event), tag=rec.id)  # store/commit.py

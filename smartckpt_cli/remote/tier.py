@@ -34,6 +34,7 @@ from smartckpt_cli.remote.replicator import Replicator
 from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.remote.start_wait import wait_for_remote
 from smartckpt_cli.store.checkpoints import candidates
+from smartckpt_cli.store.commit import adopt
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import JournalState
 from smartckpt_cli.store.retention import GC_LOCK
@@ -140,7 +141,7 @@ class RemoteTier:
                 ) from err
             if cand.where == "remote" and self.rank == 0:
                 # The local journal (one for all ranks: rank 0 writes it) learns of it: local retention, inspect and dedup see it.
-                self.store.journal.append(dict(rec.event))
+                adopt(self.store.journal, dict(rec.event))  # blobs and manifest are durable here
         logger.warning(
             "step %d: downloaded %d blob(s)%s, %d byte(s) from remote %s; %d blob(s) were sound locally",
             rec.step,

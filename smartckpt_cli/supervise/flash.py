@@ -29,8 +29,9 @@ from typing import Any
 
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.store import codec, ramarea
+from smartckpt_cli.store.commit import CommitLine, commit, write_manifest
 from smartckpt_cli.store.directory import StoreDir
-from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION, encode_manifest
+from smartckpt_cli.store.journal import MANIFEST_FORMAT, MANIFEST_VERSION
 from smartckpt_cli.store.names import manifest_rel, part_rel
 from smartckpt_cli.store.retention import GC_LOCK
 
@@ -141,41 +142,36 @@ def flash_persist(
             max(1, workers), "smartckpt-flash", initializer=lower_priority, initargs=(nice,)
         ) as pool,
     ):
-        written: list[tuple[str, bytes, int, int]] = []
+        written: list[tuple[str, str, int, int]] = []  # (manifest, its hash, new bytes, bytes)
         for rank, (rec, view) in enumerate(zip(held.records, held.views, strict=True)):
             entries, new, total = _write_blobs(store, rec, view, level, pool)
             rel = manifest_rel(step, cid) if world == 1 else part_rel(step, cid, rank)
             extra = {} if world == 1 else {"rank": rank, "world_size": world}
             manifest = _manifest(rec, store_id, cid, step, entries, extra)
-            data = encode_manifest(manifest)
-            store.storage.write(rel, data)
-            written.append((rel, data, new, total))
-        # IMPORTANT: the journal line below is the commit point; every blob and manifest above
-        # is durable before it, and before it this checkpoint does not exist.
+            mhash = write_manifest(store.storage, rel, manifest)[1]
+            written.append((rel, mhash, new, total))
+        # IMPORTANT: the commit line is the commit point (store/commit.py); every blob and
+        # manifest above is durable before it, and before it this checkpoint does not exist.
         rec0 = held.records[0]
-        line: dict[str, Any] = {
-            "event": "commit",
-            "step": step,
-            "id": cid,
-            "manifest": written[0][0],
-            "manifest_hash": codec.blob_id(written[0][1]),
-            "health": "ok",
-            "calm": bool(rec0.get("calm", True)),
-            "reason": "flash persist",
-            "score": None,
-            "bytes_new": sum(w[2] for w in written),
-            "bytes_total": sum(w[3] for w in written),
-        }
-        lineage = (rec0.get("meta") or {}).get("lineage")
-        if lineage:  # the training it continues (engine/manager.py: lineage)
-            line["lineage"] = lineage
-        if world > 1:
-            dir_id = store.dir_id()
-            line["world_size"] = world
-            line["parts"] = [
-                [rel, codec.blob_id(data)] + ([dir_id] if dir_id else []) for rel, data, _, _ in written
-            ]
-        store.journal.append(line)
+        dir_id = store.dir_id() if world > 1 else None
+        commit(
+            store.journal,
+            CommitLine(
+                step=step,
+                id=cid,
+                manifest=written[0][0],
+                manifest_hash=written[0][1],
+                calm=bool(rec0.get("calm", True)),
+                reason="flash persist",
+                bytes_new=sum(w[2] for w in written),
+                bytes_total=sum(w[3] for w in written),
+                lineage=(rec0.get("meta") or {}).get("lineage") or None,
+                world_size=world if world > 1 else None,
+                parts=tuple((rel, mh, *([dir_id] if dir_id else [])) for rel, mh, _, _ in written)
+                if world > 1
+                else None,
+            ),
+        )
     return step, written[0][0], time.perf_counter() - t0
 
 
