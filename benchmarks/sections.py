@@ -938,14 +938,15 @@ def save_memory(s: Any) -> list[str]:
     frozen = s.value(f, f"frozen[{lora[0][0]} @ {tag}]")
     out += [
         "",
-        f"The LoRA-shaped model (S = {state:.2f} GB, {frozen * 100:.0f} % of it frozen), first save and later ones:",
+        f"The LoRA-shaped model (S = {state:.2f} GB, {frozen * 100:.0f} % of it frozen): extra memory during the "
+        "first two saves (the first copies the frozen base, the second frees that copy) and the later ones:",
         "",
     ]
     head = [
         "contender",
-        "first save",
+        "first two saves",
         "later saves",
-        f"a 13B LoRA, {_LORA_NODE_GB:.0f} GB of state per node: first save",
+        f"a 13B LoRA, {_LORA_NODE_GB:.0f} GB of state per node: first two saves",
         "later saves",
     ]
     out += [_row(head), _row(["---"] * len(head))]
