@@ -375,6 +375,7 @@ def first_save(s: Any) -> list[str]:
     ]
     for f, label in (
         ("first_save", "prepared in the background"),
+        ("first_save-ram", "the RAM tier's slot, prepared in the background (`--ram`)"),
         ("first_save-no-prepare", "not prepared (`--no-prepare`)"),
     ):
         if f != "first_save" and not s.has(f):
