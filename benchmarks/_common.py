@@ -51,8 +51,8 @@ def add_device_argument(p: argparse.ArgumentParser, what: str = "where the model
 
 def device_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> torch.device:
     """The device ``--device`` names; ``--device cuda`` without one is a usage error (exit 2)."""
+    from smartckpt_cli.bench.model import resolve_device
     from smartckpt_cli.errors import ConfigError
-    from smartckpt_cli.ops.bench_model import resolve_device
 
     try:
         return resolve_device(args.device)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli.ops.bench_model import build_model
+from smartckpt_cli.bench.model import build_model
 
 __all__ = ["MODELS", "Data", "SaveWindow", "build", "describe", "loop_costs"]
 

@@ -1,5 +1,5 @@
 """The result file of a script in ``benchmarks/``: its ``--json`` option (default
-``benchmarks/results/<name>.json``) and a :class:`~smartckpt_cli.ops.bench_record.Record` that
+``benchmarks/results/<name>.json``) and a :class:`~smartckpt_cli.bench.record.Record` that
 knows the command line, the commit, the device and the machine. Format: docs/benchmarks.md.
 
     rec = _record.start("throughput", args.json, device)   # device: a torch.device, or None
@@ -23,7 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 if importlib.util.find_spec("smartckpt_cli") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from smartckpt_cli.ops.bench_record import Record, machine, script_command  # noqa: E402
+from smartckpt_cli.bench.record import Record, machine, script_command  # noqa: E402
 
 __all__ = ["RESULTS", "add_json_argument", "device_info", "start"]
 

@@ -48,7 +48,7 @@ import smartckpt_cli as sc  # noqa: E402
 
 
 def build(params: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """smartckpt_cli.ops.bench_model.build_model's MLP, made on ``device``."""
+    """smartckpt_cli.bench.model.build_model's MLP, made on ``device``."""
     width = min(4096, max(64, int((params / 4) ** 0.5)))
     layers = max(1, round(params / (width * width + width)))
     torch.manual_seed(0)

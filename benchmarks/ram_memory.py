@@ -28,7 +28,7 @@ import json, os, sys, time
 import psutil, torch
 torch.set_num_threads(1)
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench_model import build_model, state_tensors, train_step
+from smartckpt_cli.bench.model import build_model, state_tensors, train_step
 params, steps, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 model, opt = build_model(params)
 state = sum(t.numel() * t.element_size() for t in state_tensors(model, opt))

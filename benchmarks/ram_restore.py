@@ -31,7 +31,7 @@ import os, sys, time
 import torch
 torch.set_num_threads(1)
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench_model import build_model, train_step
+from smartckpt_cli.bench.model import build_model, train_step
 model, opt = build_model(int(sys.argv[1]))
 mgr = sc.CheckpointManager(sys.argv[2], max_interval=1e9, min_interval=1e9, ram_every=0.01)
 mgr.register(model=model, optimizer=opt)

@@ -64,8 +64,8 @@ import os, sys, time
 params, every, mode, progress = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 import torch
 torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-from smartckpt_cli.ops.bench_model import train_step
-# the bench MLP (ops/bench_model.py), built without its first step: the manager exists before
+from smartckpt_cli.bench.model import train_step
+# the bench MLP (bench/model.py), built without its first step: the manager exists before
 # any optimizer steps (else zero-code mode would report the start for it)
 width = min(4096, max(64, int((params / 4) ** 0.5)))
 torch.manual_seed(0)

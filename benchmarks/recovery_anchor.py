@@ -2,7 +2,7 @@
 
 DLRover (PyPI ``dlrover``) keeps the newest checkpoint in shared memory owned by its elastic
 agent (``dlrover-run``), which restarts a dead worker; the worker then loads that checkpoint from
-memory. This script trains the bench model (``smartckpt_cli.ops.bench_model``: the same MLP and
+memory. This script trains the bench model (``smartckpt_cli.bench.model``: the same MLP and
 AdamW as every other benchmark here) under ``dlrover-run --standalone``, saves to memory every
 ``--mem-every`` steps (to disk every 1,000), SIGKILLs the worker at a random step after a warm-up,
 and measures, from the worker's own clock (wall time, one machine):
@@ -62,7 +62,7 @@ T0 = time.time()
 import json, os, signal, sys
 import torch, torch.distributed as dist
 from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer, StorageType
-from smartckpt_cli.ops.bench_model import build_model, train_step
+from smartckpt_cli.bench.model import build_model, train_step
 T_IMPORTED = time.time()
 params, mem_every, kill_at, total, work = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
                                            int(sys.argv[4]), sys.argv[5])

@@ -69,7 +69,7 @@ import json, os, statistics, sys, threading, time
 from pathlib import Path
 import torch
 torch.set_num_threads(1)
-from smartckpt_cli.ops.bench_model import build_model, state_tensors, train_step
+from smartckpt_cli.bench.model import build_model, state_tensors, train_step
 
 who, params, every, saves, work = sys.argv[1], int(float(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
 area = os.environ.get("SMARTCKPT_RAM_AREA")

@@ -16,7 +16,7 @@ import _record
 import psutil
 
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench_model import build_model, train_step
+from smartckpt_cli.bench.model import build_model, train_step
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ NO_SAVE_ENV = {f"SMARTCKPT_{k.upper()}": str(v) for k, v in NO_SAVE.items()}
 
 def build(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if args.model == "bench":
-        from smartckpt_cli.ops.bench_model import build_model
+        from smartckpt_cli.bench.model import build_model
 
         return build_model(int(args.params), device=device)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """What evaluating the trigger costs a training step (issue 4, must-show 3; target < 1%).
 
-A ~100M-parameter MLP with AdamW (smartckpt_cli.ops.bench_model.build_model) trains on
+A ~100M-parameter MLP with AdamW (smartckpt_cli.bench.model.build_model) trains on
 ``--device``. Blocks of ``--block`` steps alternate between a plain loop and the same loop calling
 ``CheckpointManager.step(step, loss=loss)`` with the default (adaptive) policy; the manager never
 saves (``min_interval`` = ``max_interval`` = 10⁹ s: the budget never forces a save and the
@@ -34,8 +34,8 @@ import _record
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.ops.bench_model import build_model
-from smartckpt_cli.ops.bench_model import train_step as step_fn  # its input is made on the model's device
+from smartckpt_cli.bench.model import build_model
+from smartckpt_cli.bench.model import train_step as step_fn  # its input is made on the model's device
 
 
 def main() -> None:

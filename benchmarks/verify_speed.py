@@ -44,7 +44,7 @@ import _record  # noqa: E402
 import torch  # noqa: E402
 
 from smartckpt_cli import CheckpointManager  # noqa: E402
-from smartckpt_cli.ops.bench_model import build_model  # noqa: E402
+from smartckpt_cli.bench.model import build_model  # noqa: E402
 from smartckpt_cli.ops.verify import verify  # noqa: E402
 from smartckpt_cli.store.directory import open_store  # noqa: E402
 

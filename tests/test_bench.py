@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.ops.bench_result import DERIVED, RATIOS
-from smartckpt_cli.ops.bench_throughput import CONTENDERS
+from smartckpt_cli.bench.result import DERIVED, RATIOS
+from smartckpt_cli.bench.throughput import CONTENDERS
 
 MEASURES = {
     "bound.copy",
@@ -238,8 +238,8 @@ def test_gpu_check_refuses_a_step_it_does_not_have_in_one_line(tmp_path: Path) -
 def test_gpu_check_summary_reads_every_result_file_the_check_writes(tmp_path: Path) -> None:
     """The summary of a GPU check, from the result files its steps write (the format of
     benchmarks/results/): each step's figures are in it, a missing file is said as such."""
-    from smartckpt_cli.ops.bench_record import Record
-    from smartckpt_cli.ops.bench_result import BenchResult
+    from smartckpt_cli.bench.record import Record
+    from smartckpt_cli.bench.result import BenchResult
 
     dev = {"type": "cuda", "name": "a GPU"}
     step = Record("step_cost", "python benchmarks/step_cost.py --device cuda", device=dev, torch="t")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from smartckpt_cli.ops.bench_record import Record, script_command
+from smartckpt_cli.bench.record import Record, script_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -129,8 +129,8 @@ def bench(
 
     Example: smartckpt bench --device cuda --reps 1 --json bench.json
     """
+    from smartckpt_cli.bench.run import run_bench
     from smartckpt_cli.cli.bench_view import render
-    from smartckpt_cli.ops.bench import run_bench
 
     command = shlex.join(["smartckpt", *sys.argv[1:]])
 

@@ -7,7 +7,7 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from smartckpt_cli.ops.bench_result import LABELS, RATIOS, BenchResult
+from smartckpt_cli.bench.result import LABELS, RATIOS, BenchResult
 
 _NOT_A_TRANSFER = {
     "train_step",

@@ -19,7 +19,7 @@ the queue the way no training loop does), so a block's wall time includes all it
 The contenders:
 
 * ``torch.save``: the state dicts written with ``torch.save`` + fsync, blocking;
-* ``dcp.async_save``: DCP's ``async_save`` with its best staging (bench_savers.py); the loop
+* ``dcp.async_save``: DCP's ``async_save`` with its best staging (savers.py); the loop
   waits for the call, for the staging copy before the next optimizer update, and for the
   previous upload if it is still running when the next save is due;
 * ``smartckpt``: ``mgr.step(step, loss=loss)`` at every step, as in training, with a policy that
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli.ops.bench_savers import DcpSaver, PendingAsync, Rotation, TorchSaver
+from smartckpt_cli.bench.savers import DcpSaver, PendingAsync, Rotation, TorchSaver
 
 __all__ = ["CONTENDERS", "Throughput", "Trainer"]
 

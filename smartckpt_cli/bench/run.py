@@ -8,7 +8,7 @@ leaves the figures it has:
    seconds (5 at most; a run that saves every ``every`` seconds trains that long before its first
    save), then the first save goes through ``mgr.step()`` (the lazy path): what the loop waited.
 2. **Throughput with a save every ``every`` seconds** for no checkpointing, ``torch.save``, DCP
-   ``async_save`` and smartckpt, in rotated rounds (bench_throughput.py): the figure users feel.
+   ``async_save`` and smartckpt, in rotated rounds (throughput.py): the figure users feel.
 3. **One save at a time**, ``reps`` repetitions: every figure is the median over them, and the
    methods are interleaved within each repetition, in an order that rotates from one repetition
    to the next (A B C D, B C D A, ...), so that a noisy neighbour, or what the previous method
@@ -17,7 +17,7 @@ leaves the figures it has:
    * ``torch.save`` + fsync (the traditional baseline) and ``torch.load`` + ``load_state_dict``;
    * ``torch.distributed.checkpoint`` ``save``, ``load`` and ``async_save`` (blocking time: the
      call and what the next step's update waited for its staging copy; total time: until
-     written), staging as in bench_savers.py;
+     written), staging as in savers.py;
    * the machine's lower bounds: copying the state into preallocated buffers (pinned host memory
      on CUDA: the device-to-host bound), and a sequential write + fsync of as many bytes.
 
@@ -28,12 +28,12 @@ leaves the figures it has:
 
    Each save (smartckpt's eager and lazy, DCP's ``async_save``) is also followed by one training
    step, timed with it: a step with the save, against a step of the same model without one, is
-   the loop wait as the training loop's clock sees it (``DERIVED`` in bench_result.py), the same
+   the loop wait as the training loop's clock sees it (``DERIVED`` in result.py), the same
    way for every tool. The library's own counter (``SaveHandle.loop_wait_seconds``) is kept too.
 
 smartckpt trains its own model (its manager's optimizer hooks are on it); the other contenders
-share a second model built the same way (bench_model.py). No rich here: the CLI renders the
-result (bench_result.py). This module runs parts 1 and 3 and re-exports the names the CLI and
+share a second model built the same way (model.py). No rich here: the CLI renders the
+result (result.py). This module runs parts 1 and 3 and re-exports the names the CLI and
 ``benchmarks/`` use.
 """
 
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli.ops.bench_model import (
+from smartckpt_cli.bench.model import (
     DEFAULT_BATCH,
     DEFAULT_PARAMS,
     build_model,
@@ -61,9 +61,9 @@ from smartckpt_cli.ops.bench_model import (
     state_tensors,
     train_step,
 )
-from smartckpt_cli.ops.bench_result import RATIOS, BenchResult
-from smartckpt_cli.ops.bench_savers import DcpSaver, Rotation, TorchSaver, dir_bytes
-from smartckpt_cli.ops.bench_throughput import Throughput, Trainer, run_throughput
+from smartckpt_cli.bench.result import RATIOS, BenchResult
+from smartckpt_cli.bench.savers import DcpSaver, Rotation, TorchSaver, dir_bytes
+from smartckpt_cli.bench.throughput import Throughput, Trainer, run_throughput
 
 __all__ = ["RATIOS", "BenchResult", "build_model", "resolve_device", "run_bench", "train_step"]
 

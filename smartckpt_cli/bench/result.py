@@ -9,10 +9,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from smartckpt_cli.ops.bench_record import Record
+from smartckpt_cli.bench.record import Record
 
 if TYPE_CHECKING:
-    from smartckpt_cli.ops.bench_throughput import Throughput
+    from smartckpt_cli.bench.throughput import Throughput
 
 __all__ = ["DERIVED", "LABELS", "RATIOS", "BenchResult"]
 
@@ -61,7 +61,7 @@ class BenchResult:
         }
 
     def record(self, command: str) -> Record:
-        """The result file (ops/bench_record.py): every median, ratio, size and throughput
+        """The result file (bench/record.py): every median, ratio, size and throughput
         figure with its unit; everything else (the samples) under ``details``."""
         info = self.info
         rec = Record(
