@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.engine.budget import encoder_reserve, plan_staging
+from smartckpt_cli.engine.budget import encoder_reserve, encoding_for, plan_staging
 from smartckpt_cli.engine.restore import load_checkpoint
 from smartckpt_cli.state.tree import flatten
 from smartckpt_cli.store import ramarea
@@ -59,6 +59,22 @@ def test_the_budget_decides_slots_and_pieces(budget, slots, want_slots, want_pie
 
 def test_the_encoders_share_is_three_chunks_per_thread():
     assert encoder_reserve(4, 16 * MB) == 192 * MB
+
+
+@pytest.mark.parametrize(
+    ("state", "workers", "want"),
+    [
+        (12 * 10**9, 4, (16 * MB, 4)),  # a 7B state's share of a rank: the chunks as set
+        (int(1.21e9), 4, (8 * MB, 4)),  # 96 MiB of scratch: within a tenth of the state
+        (int(0.30e9), 4, (2 * MB, 4)),  # within 32 MiB
+        (6_300_000, 4, (2 * MB, 4)),  # a small state keeps its threads (32 MiB is nothing)
+        (6_300_000, 16, (1 * MB, 10)),  # ... unless there are so many of them
+    ],
+)
+def test_the_encoders_scratch_follows_the_state(state, workers, want):
+    chunk, n = encoding_for(state, chunk=16 * MB, workers=workers)
+    assert (chunk, n) == want
+    assert encoder_reserve(n, chunk) <= max(state / 10, 32 * MB)
 
 
 # ---------------------------------------------------------------- saves in pieces

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 __all__ = ["StagingPlan", "encoder_reserve", "encoding_for", "plan_staging"]
 
 MIN_CHUNK = 1 << 20  # below it a chunk's fixed costs (a file, an fsync, a hash call) dominate
-SCRATCH_SHARE = 0.1  # of the state, the most the encoders' scratch may take where it can
+SCRATCH_SHARE = 0.1  # of the state, the most the encoders' scratch may take where it can...
+# ...but never less than this: below it the scratch is nothing next to the process, and fewer
+# threads would only make a small state's save slower (its chunks written one after another)
+SCRATCH_FLOOR = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,10 @@ def encoder_reserve(workers: int, chunk_bytes: int) -> int:
 def encoding_for(state: int, *, chunk: int, workers: int) -> tuple[int, int]:
     """(chunk bytes, encoder threads) for a state of ``state`` bytes: the ``chunk_mb`` chunk and
     all the threads where their scratch (:func:`encoder_reserve`) is within a tenth of the state
-    (a 7B state: always); for smaller states the chunk halves, down to 1 MiB, then threads go,
-    down to one. Depends on the state's size and the thread count only, so a resumed run cuts the
-    same chunks (its blobs are shared with the run before)."""
-    limit = state * SCRATCH_SHARE
+    or 32 MiB, whichever is more (a 7B state: always); else the chunk halves, down to 1 MiB, then
+    threads go, down to one. Depends on the state's size and the thread count only, so a resumed
+    run cuts the same chunks (its blobs are shared with the run before)."""
+    limit = max(state * SCRATCH_SHARE, SCRATCH_FLOOR)
     while chunk > MIN_CHUNK and encoder_reserve(workers, chunk) > limit:
         chunk = max(MIN_CHUNK, chunk // 2)
     while workers > 1 and encoder_reserve(workers, chunk) > limit:
