@@ -380,7 +380,11 @@ def first_save(s: Any) -> list[str]:
     ):
         if f != "first_save" and not s.has(f):
             continue
-        extra = f" (in {s.value(f, 'prepared_s'):.1f} s)" if s.has(f, "prepared_s") else ""
+        extra = (
+            f" (in {s.value(f, 'prepared_s'):.1f} s)"
+            if s.has(f, "prepared_s") and s.value(f, "prepared_s") > 0
+            else ""
+        )
         out.append(
             _row(
                 [
