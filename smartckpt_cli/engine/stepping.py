@@ -463,9 +463,10 @@ class StepPath:
         if plan.piece is not None:
             return  # a save in pieces: one buffer of a piece's size, made by the first save (pager.py)
         # With the RAM tier the staging buffers are its slots, in shared memory (ramtier.py).
-        if self._ram is not None and self._ram.plan(
-            specs, nice=self.settings.background_nice, count=plan.slots
-        ):
+        # The slot's pages are faulted in at normal priority: the first RAM snapshot waits for
+        # them (staging beside the slot would hold a second copy of the state), and at nice 10
+        # behind a busy training loop that took past the first save (first_save.py --ram).
+        if self._ram is not None and self._ram.plan(specs, nice=0, count=plan.slots):
             if not math.isfinite(self._ram_due):
                 self._ram_due = time.monotonic() + self._ram.interval()
             return
