@@ -82,3 +82,17 @@ def store_copy(demo_store: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "store"
     shutil.copytree(demo_store, dst)
     return dst
+
+
+@pytest.fixture
+def area(tmp_path):
+    """A RAM area as smartckpt run makes it: in /dev/shm when there is one (a tmpfs), removed after."""
+    import subprocess
+
+    from smartckpt_cli.store.names import ram_area
+
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    where = base / ram_area(f"test-{os.getpid()}-{tmp_path.name}")
+    where.mkdir()
+    yield where
+    subprocess.run(["rm", "-rf", str(where)], check=False)

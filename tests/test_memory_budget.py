@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from smartckpt_cli.engine.restore import load_checkpoint
 from smartckpt_cli.state.tree import flatten
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import open_store
-from smartckpt_cli.store.names import ram_area
 
 MB = 1 << 20
 # One encoder thread and 1 MiB chunks: the encoders' share of a budget is 3 MiB, and a budget of
@@ -218,15 +216,6 @@ def test_a_save_in_pieces_that_fails_leaves_training_running(tmp_path):
 
 
 # ---------------------------------------------------------------- the RAM tier's slots
-
-
-@pytest.fixture
-def area(tmp_path):
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    where = base / ram_area(f"test-{os.getpid()}-{tmp_path.name}")
-    where.mkdir()
-    yield where
-    subprocess.run(["rm", "-rf", str(where)], check=False)
 
 
 @pytest.mark.parametrize(("budget", "slots"), [("200M", ["slot0", "slot1"]), ("60M", ["slot0"]), ("8M", [])])

@@ -76,16 +76,6 @@ mgr.close()
 """
 
 
-@pytest.fixture
-def area(tmp_path):
-    """A RAM area as smartckpt run makes it: in /dev/shm when there is one (a tmpfs), removed after."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    where = base / ram_area(f"test-{os.getpid()}-{tmp_path.name}")
-    where.mkdir()
-    yield where
-    subprocess.run(["rm", "-rf", str(where)], check=False)
-
-
 def _train(
     tmp_path: Path, child_env, area: Path | None, total: int, end: str, *, rc: int = 0, **extra: str
 ) -> dict:
