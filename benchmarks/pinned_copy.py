@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # `python benchmarks/pinned_copy.py` from a check
 import _record  # noqa: E402
 import torch  # noqa: E402
 
-from smartckpt_cli.engine.snapshot import host_buffer, pin_region, unpin_region  # noqa: E402
+from smartckpt_cli.engine.hostmem import host_buffer, pin_region, unpin_region  # noqa: E402
 
 
 def _shm_slot(nbytes: int) -> tuple[mmap.mmap, torch.Tensor, int]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import smartckpt_cli as sc
-from smartckpt_cli.engine.snapshot import host_buffer
+from smartckpt_cli.engine.hostmem import host_buffer
 from smartckpt_cli.trigger.signals import Signals
 
 pytestmark = [

@@ -18,7 +18,7 @@ import torch
 import smartckpt_cli as sc
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine.cadence import DECIDE_LATENCY, StepClock, decide_gap
-from smartckpt_cli.engine.snapshot import host_buffer, pin_region, unpin_region
+from smartckpt_cli.engine.hostmem import host_buffer, pin_region, unpin_region
 from smartckpt_cli.trigger.adaptive import AdaptivePolicy
 from smartckpt_cli.trigger.bounded import Bounded
 from smartckpt_cli.trigger.context import TriggerContext

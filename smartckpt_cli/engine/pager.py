@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from smartckpt_cli.engine.snapshot import host_buffer
+from smartckpt_cli.engine.hostmem import host_buffer
 
 __all__ = ["Pager"]
 

@@ -43,7 +43,8 @@ import psutil
 import torch
 
 from smartckpt_cli.config import Settings, parse_size
-from smartckpt_cli.engine.snapshot import Snapshot, Spec, pin_region, unpin_region
+from smartckpt_cli.engine.hostmem import pin_region, unpin_region
+from smartckpt_cli.engine.snapshot import Snapshot, Spec
 from smartckpt_cli.state.apply import Loaded
 from smartckpt_cli.state.dtypes import all_finite, dtype_name, lookup
 from smartckpt_cli.state.precision import byte_view, tensor_bytes

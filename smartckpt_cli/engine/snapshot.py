@@ -18,7 +18,7 @@ Two paths:
 
 Staging buffers are kept per entry and reused by the next save (memory stays flat over hundreds
 of saves); the manager allows one save in flight, so a buffer is never refilled while it is still
-being written. CUDA tensors go to pinned host buffers with non-blocking copies and events;
+being written. CUDA tensors go to pinned host buffers (engine/hostmem.py) with non-blocking copies and events;
 without CUDA it is a plain copy into preallocated buffers.
 
 **Prepared off the critical path.** Allocating the staging memory is what made the first save
@@ -39,28 +39,18 @@ import logging
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from smartckpt_cli.engine.hostmem import host_buffer
 from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.state.optstate import moment_keys, param_shapes
 from smartckpt_cli.state.tiers import EntryPlan, TierRule, classify
 from smartckpt_cli.state.tree import flatten
 
-__all__ = [
-    "Item",
-    "Snapshot",
-    "Spec",
-    "Stager",
-    "host_buffer",
-    "pin_region",
-    "staging_specs",
-    "take_snapshot",
-    "unpin_region",
-]
+__all__ = ["Item", "Snapshot", "Spec", "Stager", "staging_specs", "take_snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,67 +161,6 @@ class Snapshot:
         self.finish_copies()
         if self.lazy_event is not None:
             self.lazy_event.synchronize()
-
-
-_PAGE = 4096
-
-
-def _unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown, no runtime: the process's end unpins it anyway
-        pass
-
-
-def pin_region(ptr: int, nbytes: int) -> bool:
-    """Page-lock ``nbytes`` of host memory at ``ptr`` for the CUDA driver (``cudaHostRegister``:
-    device-to-host copies into it run at pinned speed, asynchronously); False where that fails
-    (no CUDA runtime, ``ulimit -l``). :func:`unpin_region` before the memory goes away."""
-    if not torch.cuda.is_available() or nbytes <= 0:
-        return False
-    try:
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
-    except Exception:
-        return False
-
-
-def unpin_region(ptr: int) -> None:
-    _unregister(ptr)
-
-
-def _registered_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
-    """A host buffer whose own pages are pinned with cudaHostRegister (exact size: no rounding),
-    or None where that fails. The pages are unpinned when the last view of them is gone."""
-    nbytes = torch.empty((), dtype=dtype).element_size() * max(1, torch.Size(shape).numel())
-    span = -(-nbytes // _PAGE) * _PAGE
-    base = torch.empty(span + _PAGE, dtype=torch.uint8)
-    off = (-base.data_ptr()) % _PAGE
-    region = base[off : off + span]
-    try:
-        rc = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), span, 0)
-    except Exception:
-        return None
-    if int(rc) != 0:
-        return None
-    weakref.finalize(base, _unregister, region.data_ptr())
-    buf = region[:nbytes].view(dtype)[: torch.Size(shape).numel()].view(shape)
-    # The buffer holds its base: the pages stay pinned while anything may copy into the buffer
-    # (the stager drops a buffer only at a snapshot, after the previous save's copies are done).
-    buf._smartckpt_base = base  # type: ignore[attr-defined]
-    return buf
-
-
-def host_buffer(shape: torch.Size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A host buffer for one entry: pinned when ``pin`` and possible (module docstring)."""
-    if pin:
-        buf = _registered_empty(shape, dtype)
-        if buf is not None:
-            return buf
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        except RuntimeError:  # pinning can fail (locked-memory limits): degrade to pageable
-            pass
-    return torch.empty(shape, dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["SignalReading"]
 
@@ -20,3 +21,15 @@ class SignalReading:
     raw_loss: float | None = None  # the newest step's loss, unfiltered
     update: float | None = None  # norm of the update planned at this step (planned.py)
     memory: float | None = None  # fraction of the tightest memory ceiling in use (memory.py)
+
+    def meta(self) -> dict[str, Any]:
+        """The signals that led to a checkpoint, for its manifest."""
+        out: dict[str, Any] = {
+            "step": self.step,
+            "loss": self.loss,
+            "curvature": self.curvature,
+            "grad_var": self.grad_var,
+        }
+        if self.memory is not None:
+            out["memory"] = self.memory
+        return out
