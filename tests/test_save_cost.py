@@ -53,3 +53,24 @@ def test_until_a_save_took_time_the_newest_counts_alone() -> None:
     cost.add(0.5, 0.0)  # a total of zero (a clock too coarse) does not start the average
     cost.add(0.2, 3.0)
     assert (cost.wait, cost.total) == (0.2, 3.0)
+
+
+def test_the_schedule_moves_with_takes_commits_and_failures():
+    """engine/schedule.py: the training thread takes, the save thread commits or fails (both
+    under one lock): a failure or a commit of non-finite weights moves what the trigger schedules
+    from back to the newest committed checkpoint."""
+    from smartckpt_cli.engine.schedule import SaveSchedule
+
+    sched = SaveSchedule(0.0)
+    sched.taken(5, 1.0)
+    v = sched.view()
+    assert (v.scheduled_step, v.committed_step) == (5, None)
+    sched.failed()  # the save of step 5 did not commit: back to the newest committed
+    assert sched.view().scheduled_step is None
+    sched.taken(10, 2.0)
+    sched.committed(10, 2.0, healthy=True, wait=0.1, total=1.0)
+    v = sched.view()
+    assert (v.scheduled_step, v.committed_step, v.save_wait, v.save_total) == (10, 10, 0.1, 1.0)
+    sched.taken(20, 3.0)
+    sched.committed(20, 3.0, healthy=False, wait=0.1, total=1.0)  # non-finite: not counted
+    assert (sched.view().scheduled_step, sched.view().committed_step) == (10, 10)

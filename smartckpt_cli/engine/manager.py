@@ -21,7 +21,7 @@ A facade: what it does is elsewhere. The per-step path and the optimizer pre-hoo
 or several ranks is one :class:`~.coordinator.Coordinator`; the remote tier is a commit observer
 and a restore source (:mod:`.observers`); the single-writer lock is the store's
 (:class:`~smartckpt_cli.store.directory.WriterLock`); the save-cost average is the trigger's
-(:class:`~smartckpt_cli.trigger.cost.SaveCost`).
+(:class:`~smartckpt_cli.trigger.cost.SaveCost`, kept behind a lock by :mod:`.schedule`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded, same_lineage
 from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
+from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
@@ -64,7 +65,6 @@ from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.state.wrappers import ACCELERATOR, accelerator_of
 from smartckpt_cli.store.directory import StoreDir, open_store
 from smartckpt_cli.store.scrub import Scrubber, ScrubBook
-from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, make_policy
 from smartckpt_cli.trigger.reading import SignalReading
@@ -197,7 +197,6 @@ class CheckpointManager(StepPath, SavePath):
         self._pre_saved: tuple[SaveHandle, str] | None = None
         self._precursor_refused: set[str] = set()
         # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
-        self._cost = SaveCost()
         self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}
         self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
@@ -236,10 +235,9 @@ class CheckpointManager(StepPath, SavePath):
         self._stats = SaveStats()
         self._stats_lock = threading.Lock()
         self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
-        # (step, monotonic time) of the newest committed checkpoint, and of the newest one taken
-        # (committed or in flight): the trigger schedules from the latter, a failure reverts it.
-        self._committed: tuple[int | None, float] = (None, time.monotonic())
-        self._scheduled: tuple[int | None, float] = self._committed
+        # The newest committed checkpoint, the newest taken (committed or in flight: the trigger
+        # schedules from it, a failure reverts it) and the saves' cost, behind one lock.
+        self._schedule = SaveSchedule(time.monotonic())
         self._closed = False
         self.last_commit: CommitInfo | None = None
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
@@ -419,7 +417,7 @@ class CheckpointManager(StepPath, SavePath):
         if self.last_restore is not loaded.manifest:
             self._persister.remember(loaded.manifest)
             self.last_restore = loaded.manifest
-            self._committed = self._scheduled = (loaded.record.step, time.monotonic())
+            self._schedule.restored(int(loaded.record.step), time.monotonic())
             # The loop goes on from here: the optimizer pre-hook of the next step reads (and a
             # trace row names) step + 1, and the gradient hooks are armed for that step.
             self._last_step = int(loaded.record.step)

@@ -37,6 +37,7 @@ from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.savehandle import SaveHandle, SaveStats, failure_cause, peer_gone
+from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager, staging_specs, take_snapshot
 from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister
@@ -44,7 +45,6 @@ from smartckpt_cli.errors import UnsupportedValueError
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.retention import GC_LOCK, collect_garbage, prune, select_prunable
-from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.policies import Decision
 from smartckpt_cli.trigger.reading import SignalReading
 from smartckpt_cli.trigger.trace import TraceWriter
@@ -81,7 +81,6 @@ class SavePath:
     _unchanged: Unchanged
     _stats_lock: threading.Lock
     _unjournalled: list[dict[str, Any]]
-    _cost: SaveCost
     _pruned_seen: int
     _last_loss: torch.Tensor | float | None
     _ram: RamTier | None
@@ -90,8 +89,7 @@ class SavePath:
     _last_reading: SignalReading | None
     _quiet: tuple[float, float]
     _wish: Decision | None
-    _scheduled: tuple[int | None, float]
-    _committed: tuple[int | None, float]
+    _schedule: SaveSchedule
     _check: ResumeCheck
     _ahead: tuple[int, Any, Any, Any] | None
     lineage: str | None
@@ -224,7 +222,7 @@ class SavePath:
         snap_time = time.monotonic()
         self._trace.flush()
         if healthy:
-            self._scheduled = (step, snap_time)
+            self._schedule.taken(step, snap_time)
         if snap.guards:
             self._lazy_snapshot = snap
         # The schedule moved: ask the policy at the next step; that step's time is not a step's.
@@ -353,11 +351,13 @@ class SavePath:
                 logger.warning("after the commit of step %d: %s: %s", snap.step, type(observer).__name__, err)
         with self._stats_lock:
             self._stats.commits += 1
-            if info.health == "ok":
-                self._committed = (snap.step, snap_time)
-            else:  # non-finite weights found while writing: it does not count against the budget
-                self._scheduled = self._committed
-            self._cost.add(snap.blocking_seconds + snap.guard_seconds, info.seconds)
+        self._schedule.committed(
+            snap.step,
+            snap_time,
+            healthy=info.health == "ok",  # non-finite weights found while writing: not counted
+            wait=snap.blocking_seconds + snap.guard_seconds,
+            total=info.seconds,
+        )
         try:
             self._retain()
         except Exception as err:  # the checkpoint is committed whatever retention does
@@ -379,8 +379,7 @@ class SavePath:
                 type(err).__name__,
                 err,
             )
-            with self._stats_lock:
-                self._scheduled = self._committed
+            self._schedule.failed()
             report(commit_interrupted={"step": step, "error": f"{type(err).__name__}: {err}"[:300]})
             return msg
         cause = failure_cause(err)
@@ -388,8 +387,8 @@ class SavePath:
             self._stats.failures.append(msg)
             seen = self._stats.causes.get(cause, 0)
             self._stats.causes[cause] = seen + 1
-            self._scheduled = self._committed
             count = len(self._stats.failures)
+        self._schedule.failed()
         if seen == 0:
             logger.error("%s (training continues; the next trigger tries again)", msg)
         else:

@@ -41,10 +41,10 @@ from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
+from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Spec, Stager, staging_specs
 from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.store.directory import StoreDir
-from smartckpt_cli.trigger.cost import SaveCost
 from smartckpt_cli.trigger.memory import MemoryProbe
 from smartckpt_cli.trigger.policies import Decision, Policy, TriggerContext
 from smartckpt_cli.trigger.reading import SignalReading
@@ -103,9 +103,7 @@ class StepPath:
     _last_step: int
     _last_loss: torch.Tensor | float | None
     _last_reading: SignalReading | None
-    _scheduled: tuple[int | None, float]
-    _committed: tuple[int | None, float]
-    _cost: SaveCost
+    _schedule: SaveSchedule
     _calm_step: int
     _record_until: int
     _keep_from: int
@@ -288,10 +286,18 @@ class StepPath:
                 reading = sig.poll()
         # Under `smartckpt run`: a heartbeat (the loss only when this step read it back anyway).
         if self.heartbeat:
-            heartbeat.beat(step, reading.raw_loss if reading else None, committed_step=self._committed[0])
+            heartbeat.beat(
+                step,
+                reading.raw_loss if reading else None,
+                committed_step=self._schedule.view().committed_step,
+            )
             self._beating = heartbeat.heartbeat_on()
         else:  # zero-code mode: its hook beats the step; what only the manager knows goes here
-            heartbeat.beat(None, reading.raw_loss if reading else None, committed_step=self._committed[0])
+            heartbeat.beat(
+                None,
+                reading.raw_loss if reading else None,
+                committed_step=self._schedule.view().committed_step,
+            )
             self._beating = False
         due_next = sig.due(step + 1)
         sig.arm(due_next)
@@ -506,14 +512,16 @@ class StepPath:
         return plan
 
     def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
+        now = self._schedule.view()  # one consistent reading: the save thread updates it
         return TriggerContext(
             step,
             time.monotonic(),
-            *self._scheduled,
+            now.scheduled_step,
+            now.scheduled_time,
             loss=reading.raw_loss if reading else None,
             reading=reading,
-            save_cost=self._cost.wait,
-            save_total=self._cost.total,
+            save_cost=now.save_wait,
+            save_total=now.save_total,
             mtbf=self.settings.mtbf,
         )
 
