@@ -420,8 +420,7 @@ class ZeroCode:
         if id(optimizer) not in self.ids:
             return
         self.started = True
-        if self.mgr._ahead is not None:  # set in this step's pre-hook, for a save there
-            self.mgr._pre_update_done()
+        self.mgr.update_done()  # the loss update_begins handed over goes with no later save
         if self.scalers:  # counted only for the GradScaler's skipped steps (_count_skipped_steps)
             self.posts[id(optimizer)] = self.posts.get(id(optimizer), 0) + 1
         if optimizer is self.primary:
@@ -454,14 +453,16 @@ class ZeroCode:
         # the checkpoint of the previous step saved below, or after a restore (resumecheck.py).
         # Only where either may happen: elsewhere this costs a comparison.
         pending = self.pending
-        if (pending is None or pending.states is None) and self.mgr._check.step != self.step + 1:
+        if (pending is None or pending.states is None) and not self.mgr.wants_loss_before_update(
+            self.step + 1
+        ):
             self._step_boundary()
             return
         scale = getattr(self.scalers[0], "_scale", None) if self.scalers else None
         scale = scale if isinstance(scale, torch.Tensor) else None
         # Kept until this step's post-hook: the manager's own pre-hook, which runs next, may take
         # a precursor save of the previous step too.
-        self.mgr._pre_update(self.step + 1, self.loss(), scale, optimizer)
+        self.mgr.update_begins(self.step + 1, self.loss(), scale, optimizer)
         self._step_boundary()
 
     def _step_boundary(self) -> None:

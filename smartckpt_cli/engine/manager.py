@@ -251,7 +251,7 @@ class CheckpointManager(StepPath, SavePath):
         self.lineage: str | None = uuid.uuid4().hex[:12]
         self._restored_from: str | None = None  # "ram" | "disk" | "remote": where the last read came from
         # The resume check (resumecheck.py): armed for the step after a save or a restore; zero-
-        # code mode hands the loss of the step being updated (``_pre_update``) before step().
+        # code mode hands the loss of the step being updated (``update_begins``) before step().
         self._check = ResumeCheck()
         self._ahead: tuple[int, Any, Any, Any] | None = None  # (step, loss, scale, optimizer)
         for observer in self._observers:
@@ -486,17 +486,23 @@ class CheckpointManager(StepPath, SavePath):
             logger.debug("journal unreadable for the resume check: %s", err)
             return []
 
-    def _pre_update(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
+    def wants_loss_before_update(self, step: int) -> bool:
+        """Whether :meth:`update_begins` for ``step`` matters beyond a save of ``step - 1``:
+        the resume check compares ``step``'s values (a restore or a save came just before)."""
+        return self._check.step == step
+
+    def update_begins(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
         """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
         loss of ``step`` is known before its update. A save of ``step - 1`` taken before
-        :meth:`_pre_update_done` (the post-hook of ``step``) records it with the checkpoint, a
+        :meth:`update_done` (the post-hook of ``step``) records it with the checkpoint, a
         precursor save included; after a restore it is checked."""
         self._ahead = (step, loss, loss_scale, optimizer)
         if self._check.step == step and self._check.restored is not None:
             self._check.grads(optimizer)
             self._take_check(step, loss, loss_scale)
 
-    def _pre_update_done(self) -> None:
+    def update_done(self) -> None:
+        """The update :meth:`update_begins` announced is done: its loss no longer goes with a save."""
         self._ahead = None
 
     # ------------------------------------------------------------------ lifecycle
