@@ -69,8 +69,8 @@ class Pager:
         try:
             first = [it for it in items if not it.guarded]
             rest = [it for it in items if it.guarded]
-            parts = [p for it in first + rest for p in self._parts(it)]
-            n_first = sum(len(self._parts(it)) for it in first)
+            head = [p for it in first for p in self._parts(it)]
+            parts, n_first = head + [p for it in rest for p in self._parts(it)], len(head)
             if not first:
                 snap.early.set()
             pending: list[tuple[Any, int, int]] = []

@@ -38,6 +38,11 @@ class SaveSchedule:
         with self._lock:
             return Standing(*self._scheduled, self._committed[0], self._cost.wait, self._cost.total)
 
+    def committed_step(self) -> int | None:
+        """The newest committed step alone: what every step's heartbeat carries (no reading built)."""
+        with self._lock:
+            return self._committed[0]
+
     def restored(self, step: int, now: float) -> None:
         """A checkpoint was restored: it is the newest committed and taken."""
         with self._lock:

@@ -289,14 +289,14 @@ class StepPath:
             heartbeat.beat(
                 step,
                 reading.raw_loss if reading else None,
-                committed_step=self._schedule.view().committed_step,
+                committed_step=self._schedule.committed_step(),
             )
             self._beating = heartbeat.heartbeat_on()
         else:  # zero-code mode: its hook beats the step; what only the manager knows goes here
             heartbeat.beat(
                 None,
                 reading.raw_loss if reading else None,
-                committed_step=self._schedule.view().committed_step,
+                committed_step=self._schedule.committed_step(),
             )
             self._beating = False
         due_next = sig.due(step + 1)
