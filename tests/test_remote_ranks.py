@@ -192,7 +192,7 @@ def test_both_node_disks_and_meta_dir_lost_resume_from_remote_bit_exact(
     url, bucket, _ = s3
     env = _remote_env(env_base, s3)
     args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
-    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "1"], tmp_path, env)
+    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "1", "--kill-after-remote"], tmp_path, env)
     assert rc != 0, out
     commits = _remote_commits(url, env)
     assert commits, out
@@ -235,7 +235,9 @@ def test_four_ranks_on_four_node_local_disks_resume_from_the_remote_bit_exact(tm
     reference = [torch.load(tmp_path / "ref" / f"ref.r{r}", weights_only=True) for r in range(4)]
     env = _remote_env(env_base, s3)
     args = [*NODE_LOCAL, "--total", str(TOTAL), "--step-time", "0.25", "--out", "run"]
-    rc, out = _torchrun([*args, "--kill-at", "17", "--kill-rank", "2"], tmp_path, env, 4)
+    rc, out = _torchrun(
+        [*args, "--kill-at", "17", "--kill-rank", "2", "--kill-after-remote"], tmp_path, env, 4
+    )
     assert rc != 0, out[-3000:]
     ids = {(tmp_path / "local" / f"node{r}" / "dir.id").read_text() for r in range(4)}
     assert len(ids) == 4  # four disks: nothing written once for another

@@ -9,6 +9,9 @@ Arguments:
   --every K           save every K steps (default 5)
   --out PREFIX        at the end each rank writes PREFIX.r<rank> (torch.save of its local state)
   --kill-at N --kill-rank R   rank R SIGKILLs itself before step N+1 (first attempt only)
+  --kill-after-remote  with --kill-at: the killing rank first waits (up to 120 s) until the remote
+                      in SMARTCKPT_REMOTE holds a commit, so a slow machine cannot kill the group
+                      before any upload finished
   --hang-at N --hang-rank R   rank R sleeps forever before step N+1 (first attempt only)
   --signal-at N --signal-rank R --signal NAME   rank R sends itself SIGNAME before step N+1
                       (first attempt only): a preemption warning that reaches one rank
@@ -60,6 +63,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-after-remote", action="store_true")
     p.add_argument("--hang-at", type=int, default=None)
     p.add_argument("--hang-rank", type=int, default=1)
     p.add_argument("--signal-at", type=int, default=None)
@@ -130,6 +134,8 @@ def main() -> int:
     print(f"rank {rank} start {start}", flush=True)
     for step, x, y in _batches(args, start, rank, w_true, loader):
         if first_attempt and args.kill_at == step and args.kill_rank == rank:
+            if args.kill_after_remote:
+                _wait_for_a_remote_commit(120.0)
             os.kill(os.getpid(), signal.SIGKILL)
         if first_attempt and args.signal_at == step and args.signal_rank == rank:
             os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
@@ -171,6 +177,18 @@ def main() -> int:
     print(f"rank {rank} done {args.total} failures {len(failures)}", flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def _wait_for_a_remote_commit(timeout: float) -> None:
+    """Poll the remote journal until it holds a live commit (the other ranks wait at the next
+    collective meanwhile; their background uploads go on)."""
+    from smartckpt_cli.remote.backend import open_remote
+    from smartckpt_cli.remote.rjournal import RemoteJournal
+
+    journal = RemoteJournal(open_remote(os.environ["SMARTCKPT_REMOTE"]))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not journal.read().live():
+        time.sleep(0.2)
 
 
 def _batches(args: argparse.Namespace, start: int, rank: int, w_true: torch.Tensor, loader: object):
