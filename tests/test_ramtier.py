@@ -251,6 +251,50 @@ def test_restart_phases_come_from_the_childs_wall_times():
     assert got == {"to_restore": 2.0, "restore": 0.5, "to_first_step": 0.5, "start_to_first_step": 3.0}
 
 
+def _resident(path: Path) -> int:
+    """Bytes of ``path``'s mapping in this process's page tables (/proc/self/smaps ``Rss``): the
+    pages a copy into it will not fault in again."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(head[1]) * 1024
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+def test_a_slot_is_faulted_in_before_the_first_snapshot_copies_into_it(area, tmp_path, monkeypatch):
+    """Deliver 3: the slot's pages are in the training process's page tables before the first
+    save copies into it (the preparing thread wrote each one), so that copy faults nothing."""
+    import smartckpt_cli as sc
+    from smartckpt_cli.engine.ramtier import _fault_in
+
+    slot = ramarea.Slot(area / "probe", 8 << 20)
+    try:
+        assert _resident(area / "probe") < 1 << 20  # fallocated, not yet in this process's tables
+        _fault_in(slot.map)
+        assert _resident(area / "probe") >= 8 << 20
+    finally:
+        slot.close()
+    monkeypatch.setenv(ramarea.ENV_AREA, str(area))
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = sc.CheckpointManager(tmp_path / "ck", every_steps=1000, ram_every=1e9)
+    mgr.register(model=model, optimizer=opt)
+    mgr.restore()
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    mgr.step(1)  # the first step after register: the slots are planned and prepared
+    ram = mgr._ram
+    assert ram is not None and ram.size >= 3 * 2 * 512 * 513 * 4  # weights and both moments
+    ram.wait_ready()
+    slots = [p for p in area.rglob("slot*") if p.stat().st_size == ram.size]
+    assert slots and all(_resident(p) >= ram.size for p in slots), [(p, _resident(p)) for p in slots]
+    mgr.close()
+
+
 # ---------------------------------------------------------------- real training processes
 
 
