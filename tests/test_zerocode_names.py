@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import smartckpt_cli as sc
-from smartckpt_cli.agent.zerocode import _created, _names, script_names, stamp_creation
+from smartckpt_cli.agent.naming import _created, _names, script_names, stamp_creation
 from smartckpt_cli.errors import StateMismatchError
 from smartckpt_cli.store.directory import open_store
 

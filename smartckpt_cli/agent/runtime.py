@@ -117,7 +117,7 @@ def install_hooks() -> None:
     global _watch
     register_optimizer_step_pre_hook(_pre_hook)
     register_optimizer_step_post_hook(_post_hook)
-    from smartckpt_cli.agent.zerocode import stamp_creation
+    from smartckpt_cli.agent.naming import stamp_creation
 
     stamp_creation()  # a creation order, the same in every run, for zero-code's names
     _watch = _NoOptimizer()

@@ -7,12 +7,13 @@ first epoch) the DataLoaders; :class:`ZeroCode` registers them with a Checkpoint
 
 Names must be the same in every run of a script, or a restart loads one object's state into
 another (a train and a val loader, two optimizers of one shape). ``gc`` lists objects in no stable
-order, so it only *finds* them: they are ordered by when they were created (:func:`stamp_creation`
-numbers every optimizer, scheduler, GradScaler and DataLoader as it is built, once the hooks are
-installed at ``import torch``), and named by the script's own variables where those are found
-(the frames of the loop and ``__main__``'s globals: ``opt_g``, ``val_loader``), else by kind and
-creation order. One object of a kind keeps the kind's name (``optimizer``, ``data``). A loader's
-dataset length and sampler are saved with its position: a different one is refused on restore.
+order, so it only *finds* them, and :mod:`.naming` names them: they are ordered by when they
+were created (``stamp_creation`` numbers every optimizer, scheduler, GradScaler and DataLoader as
+it is built, once the hooks are installed at ``import torch``), and named by the script's own
+variables where those are found (the frames of the loop and ``__main__``'s globals: ``opt_g``,
+``val_loader``), else by kind and creation order. One object of a kind keeps the kind's name
+(``optimizer``, ``data``). A loader's dataset length and sampler are saved with its position: a
+different one is refused on restore.
 
 Exactness. The usual loop is ``backward(); opt.step(); sched.step(); opt.zero_grad()``. The
 checkpoint of step N must hold what the loop holds at the end of iteration N:
@@ -44,13 +45,8 @@ wrapped on the instance), and the loss fed to the trigger is divided by its scal
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import itertools
 import logging
-import re
-import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +54,12 @@ from typing import Any
 import torch
 
 from smartckpt_cli.agent.carry import CARRIED, carried
+from smartckpt_cli.agent.naming import _created, _names, script_names
 from smartckpt_cli.engine.heartbeat import beat, beat_step, heartbeat_state
 from smartckpt_cli.state import wrappers
 from smartckpt_cli.state.wrappers import ACCELERATOR
 
-__all__ = ["ZeroCode", "discover", "script_names", "stamp_creation"]
+__all__ = ["ZeroCode", "discover"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,95 +130,6 @@ def discover(*, with_loaders: bool) -> _Found:
     loaders.sort(key=_created)
     names = script_names([*opts, *top, *scheds, *scalers, *loaders])
     return _Found(opts, top, scheds, scalers, loaders, names, accs[0] if len(accs) == 1 else None)
-
-
-# ---------------------------------------------------------------------------- stable names
-
-_creation = itertools.count()
-_UNSTAMPED = 1 << 62  # created before the hooks were installed: after every stamped one
-# Kept beside the objects, never in them: an LR scheduler's state_dict() is its __dict__.
-_stamps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def _created(obj: Any) -> int:
-    try:
-        return _stamps.get(obj, _UNSTAMPED)
-    except TypeError:  # not weakly referenceable or not hashable: never stamped
-        return _UNSTAMPED
-
-
-def stamp_creation() -> None:
-    """Number every optimizer, LR scheduler, GradScaler and DataLoader as it is created (called
-    once, when the hooks are installed at ``import torch``): a creation order that is the same in
-    every run of a script, unlike ``gc``'s."""
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-    from torch.utils.data import DataLoader
-
-    classes: list[type] = [torch.optim.Optimizer, LRScheduler, ReduceLROnPlateau, DataLoader]
-    classes += [t for t in (getattr(torch.amp, "GradScaler", None),) if isinstance(t, type)]
-    for cls in classes:
-        init = getattr(cls, "__init__")  # noqa: B009 (mypy refuses cls.__init__ on a type variable)
-        if not getattr(init, "_smartckpt_stamp", False):
-            setattr(cls, "__init__", _stamping(init))  # noqa: B010
-
-
-def _stamping(init: Callable[..., None]) -> Callable[..., None]:
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        with contextlib.suppress(TypeError):
-            if self not in _stamps:  # once, whatever the subclass chain
-                _stamps[self] = next(_creation)
-
-    __init__._smartckpt_stamp = True  # type: ignore[attr-defined]
-    __init__.__wrapped__ = init  # type: ignore[attr-defined]
-    return __init__
-
-
-_IDENT = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
-_OURS = ("smartckpt_cli", "torch", "typing", "contextlib", "threading", "importlib")
-
-
-def script_names(objs: list[Any]) -> dict[int, str]:
-    """The script's own variable names of ``objs`` (by id): the locals of the frames that led here
-    (innermost first: the loop that called ``start_step()`` or ``optimizer.step()``), then
-    ``__main__``'s globals. A name found for two of them, or none, gives no name."""
-    wanted = {id(o) for o in objs}
-    found: dict[int, str] = {}
-    seen_names: dict[str, int] = {}
-    spaces: list[dict[str, Any]] = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(_OURS):
-            spaces.append(frame.f_locals)
-        frame = frame.f_back  # type: ignore[assignment]
-    main = sys.modules.get("__main__")
-    if main is not None:
-        spaces.append(vars(main))
-    for space in spaces:
-        for name, value in list(space.items()):
-            if (
-                id(value) in wanted
-                and id(value) not in found
-                and _IDENT.fullmatch(name)
-                and not name.startswith("_")
-            ):
-                if seen_names.get(name, id(value)) != id(value):
-                    continue
-                found[id(value)] = name
-                seen_names[name] = id(value)
-    return found
-
-
-def _names(base: str, objs: list[Any], known: dict[int, str] | None = None) -> list[str]:
-    """One object: the kind's name. Several: the script's variable names when every one has its
-    own, else the kind and the creation order (``optimizer0``, ``optimizer1``)."""
-    if len(objs) == 1:
-        return [base]
-    names = [(known or {}).get(id(o)) for o in objs]
-    if all(names) and len(set(names)) == len(names) and "rng" not in names:
-        return [str(n) for n in names]
-    return [f"{base}{i}" for i in range(len(objs))]
 
 
 @dataclass(slots=True)
