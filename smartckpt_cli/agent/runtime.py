@@ -31,12 +31,12 @@ import logging
 import os
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from smartckpt_cli.agent.nooptimizer import NoOptimizer, say_no_optimizer
 from smartckpt_cli.engine.heartbeat import (
     beat,
     heartbeat_state,
@@ -120,7 +120,7 @@ def install_hooks() -> None:
     from smartckpt_cli.agent.naming import stamp_creation
 
     stamp_creation()  # a creation order, the same in every run, for zero-code's names
-    _watch = _NoOptimizer()
+    _watch = NoOptimizer(_no_optimizer)
     torch.Tensor.backward = _remember_loss(torch.Tensor.backward)  # type: ignore[method-assign]
     torch.autograd.backward = _remember_loss(torch.autograd.backward)
 
@@ -155,77 +155,14 @@ def _remember_loss(fn: Callable[..., Any]) -> Callable[..., Any]:
 _depth = 0
 
 
-class _NoOptimizer:
-    """Backward passes that no ``torch.optim`` optimizer follows (a hand-written update): said
-    once, as soon as it is clear, and reported to ``smartckpt run``; off for good at the first
-    optimizer step. An iteration shows as gradients reset between two backward passes (the
-    model's ``zero_grad``; gradient accumulation keeps them), watched on one parameter the
-    first loss depends on."""
-
-    ITERATIONS = 3
-
-    def __init__(self) -> None:
-        self.leaf: Any = None  # weakref to a parameter the loss depends on
-        self.grad: tuple[int, int] | None = None  # (id, version) of its gradient after backward
-        self.iterations = 0
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.leaf is None:
-            self.leaf = _first_leaf(loss) or (lambda: None)  # none found: watch nothing
-            return
-        p = self.leaf()
-        if p is None:
-            return
-        g = p.grad
-        if self.grad is not None and (g is None or (id(g), g._version) != self.grad):
-            self.iterations += 1
-            if self.iterations >= self.ITERATIONS:
-                _no_optimizer(self.iterations)
-        self.grad = None
-
-    def after(self) -> None:
-        p = self.leaf() if self.leaf is not None else None
-        g = p.grad if p is not None else None
-        self.grad = (id(g), g._version) if g is not None else None
-
-
-def _first_leaf(loss: torch.Tensor) -> Any:
-    """A weak reference to a leaf tensor ``loss`` depends on (its graph walked up to 1000 nodes)."""
-    todo, seen = [loss.grad_fn], 0
-    while todo and seen < 1000:
-        node = todo.pop()
-        seen += 1
-        if node is None:
-            continue
-        var = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
-        if isinstance(var, torch.Tensor):
-            return weakref.ref(var)
-        todo.extend(n for n, _ in node.next_functions)
-    return None
-
-
 def _no_optimizer(iterations: int) -> None:
     global _watch
-    _watch = None
-    import gc
-
-    from smartckpt_cli.engine import manager as engine_manager
-
-    if _off or engine_manager.managers_built() > 0:
-        return  # the script checkpoints with its own manager: it needs no optimizer
-    if any(issubclass(type(o), torch.optim.Optimizer) for o in gc.get_objects()):
-        return  # there is one: a GradScaler skipping its first steps, or a loop yet to step it
-    print(
-        f"smartckpt: backward() has run for {iterations} iterations but no torch.optim optimizer has "
-        "stepped: zero-code checkpointing needs one, so nothing is checkpointed; for a hand-written "
-        "update, use a CheckpointManager in the script (README: Usage)",
-        file=sys.stderr,
-        flush=True,
-    )
-    report(no_optimizer=True)
+    _watch = None  # said once
+    if not _off:  # stood down or disabled: that was said already
+        say_no_optimizer(iterations)
 
 
-_watch: _NoOptimizer | None = None
+_watch: NoOptimizer | None = None
 
 
 def _pre_hook(optimizer: Any, _args: Any, _kwargs: Any) -> None:
