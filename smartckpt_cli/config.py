@@ -107,6 +107,16 @@ class Settings:
     warm_restart: bool = True
 
     def __post_init__(self) -> None:
+        # One check per group of settings, in the order of the groups (the first error is raised).
+        self._check_saving()
+        self._check_trigger()
+        self._check_supervisor()
+        self._check_remote()
+        self._check_ram()
+        self._check_lists()
+
+    def _check_saving(self) -> None:
+        """Where and how a checkpoint is written and restored."""
         if self.keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
         if self.precision not in PRECISIONS:
@@ -125,6 +135,10 @@ class Settings:
             raise ConfigError("chunk_mb must be at least 1")
         if self.reverify_saves < 1:
             raise ConfigError("reverify_saves must be at least 1")
+
+    def _check_trigger(self) -> None:
+        """When to save: the policy, its intervals and signals, a fixed schedule (``every`` sets
+        ``every_steps`` or ``every_seconds``)."""
         if self.max_interval <= 0:
             raise ConfigError("max_interval must be positive")
         if self.policy not in ("adaptive", "seed", "fixed"):
@@ -146,6 +160,9 @@ class Settings:
                 raise ConfigError(f"every: {err}") from None
             object.__setattr__(self, "every_steps", steps)
             object.__setattr__(self, "every_seconds", seconds)
+
+    def _check_supervisor(self) -> None:
+        """``smartckpt run``'s restarts and timeouts."""
         if self.max_restarts < 0:
             raise ConfigError("max_restarts must be 0 or more")
         if self.hang_timeout is not None and self.hang_timeout <= 0:
@@ -160,6 +177,9 @@ class Settings:
             raise ConfigError("crash_loop must be at least 1")
         if self.log_every <= 0:
             raise ConfigError("log_every must be positive (seconds)")
+
+    def _check_remote(self) -> None:
+        """The remote tier."""
         if self.remote_keep_last < 0 or self.remote_workers < 1 or self.remote_retries < 1:
             raise ConfigError(
                 "remote_keep_last must be 0 or more, remote_workers and remote_retries at least 1"
@@ -170,6 +190,9 @@ class Settings:
             raise ConfigError(
                 "remote_bandwidth_mb, remote_close_wait and remote_start_wait must be 0 or more"
             )
+
+    def _check_ram(self) -> None:
+        """The RAM tier and the memory budget."""
         if self.ram_every is not None and not self.ram_every > 0:
             raise ConfigError("ram_every must be positive (seconds)")
         if self.ram_slots not in (0, 1, 2):
@@ -181,6 +204,10 @@ class Settings:
                     parse_size(value)
                 except ValueError as err:
                     raise ConfigError(f"{name}: {err}") from None
+
+    def _check_lists(self) -> None:
+        """The settings that are lists in one string: ``no_restart_on``'s regexes,
+        ``preempt_signals``' names."""
         for pat in self.no_restart_patterns:
             try:
                 re.compile(pat)

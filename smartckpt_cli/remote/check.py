@@ -272,40 +272,64 @@ def remove_unreferenced(
     Callers hold remote.lock exclusively, so no rank is between its dedup decision and its
     manifest."""
 
-    def blobs_of(rel: str) -> list[str]:
-        if rel not in manifests:
-            try:
-                manifests[rel] = decode_manifest(remote.get(rel), rel)
-            except (FileNotFoundError, ValueError):
-                manifests[rel] = {}
-        return manifest_blob_ids(manifests[rel])
-
     kept = [r for r in state.records if not r.pruned]
     kept_manifests = {m for r in kept for m in _manifests_of(r)}
     referenced: set[str] = set()
     for rel in sorted(kept_manifests):
-        referenced.update(blobs_of(rel))
+        referenced.update(_blobs_of(remote, manifests, rel))
     if keep_pending:
         named = kept_manifests | {m for r in state.records for m in _manifests_of(r)}
-        abandoned: set[str] = set()
-        for name in remote.list("manifests"):
-            rel = f"manifests/{name}"
-            if rel in named or not is_manifest_file(name):
-                continue
-            cid = part_cid(name)
-            if pending_ids is not None and cid is not None and cid not in pending_ids:
-                abandoned.add(cid)
-                remote.remove(rel)  # before its blobs: a manifest never names a missing blob
-                manifests.pop(rel, None)
-                continue
-            referenced.update(blobs_of(rel))
-        if abandoned:
-            for name in remote.list(PARTS_DIR):
-                if part_cid(name) in abandoned:
-                    remote.remove(f"{PARTS_DIR}/{name}")
-            logger.info(
-                "remote: collected the uncommitted parts of %d abandoned checkpoint(s)", len(abandoned)
-            )
+        referenced.update(_keep_or_abandon_parts(remote, manifests, named, pending_ids))
+    _remove_pruned_manifests(remote, state, kept_manifests, manifests)
+    removed = 0
+    for bid in sorted(known_blobs - referenced):
+        remote.remove(blob_rel(bid))
+        known_blobs.discard(bid)
+        removed += 1
+    return removed
+
+
+def _blobs_of(remote: Remote, manifests: dict[str, dict[str, Any]], rel: str) -> list[str]:
+    """The blobs manifest ``rel`` names, read once into ``manifests`` (a gone or damaged one: none)."""
+    if rel not in manifests:
+        try:
+            manifests[rel] = decode_manifest(remote.get(rel), rel)
+        except (FileNotFoundError, ValueError):
+            manifests[rel] = {}
+    return manifest_blob_ids(manifests[rel])
+
+
+def _keep_or_abandon_parts(
+    remote: Remote, manifests: dict[str, dict[str, Any]], named: set[str], pending_ids: set[str] | None
+) -> set[str]:
+    """The blobs of the part manifests no commit names yet that are kept (see
+    :func:`remove_unreferenced`); the abandoned ones lose their manifest and markers here."""
+    referenced: set[str] = set()
+    abandoned: set[str] = set()
+    for name in remote.list("manifests"):
+        rel = f"manifests/{name}"
+        if rel in named or not is_manifest_file(name):
+            continue
+        cid = part_cid(name)
+        if pending_ids is not None and cid is not None and cid not in pending_ids:
+            abandoned.add(cid)
+            remote.remove(rel)  # before its blobs: a manifest never names a missing blob
+            manifests.pop(rel, None)
+            continue
+        referenced.update(_blobs_of(remote, manifests, rel))
+    if abandoned:
+        for name in remote.list(PARTS_DIR):
+            if part_cid(name) in abandoned:
+                remote.remove(f"{PARTS_DIR}/{name}")
+        logger.info("remote: collected the uncommitted parts of %d abandoned checkpoint(s)", len(abandoned))
+    return referenced
+
+
+def _remove_pruned_manifests(
+    remote: Remote, state: RemoteState, kept_manifests: set[str], manifests: dict[str, dict[str, Any]]
+) -> None:
+    """The manifests (every rank's part) and part markers of pruned checkpoints; a manifest a kept
+    checkpoint also names stays."""
     for rec in state.records:
         if not rec.pruned:
             continue
@@ -315,12 +339,6 @@ def remove_unreferenced(
                 manifests.pop(rel, None)
             if rec.parts:
                 remote.remove(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rank)}")
-    removed = 0
-    for bid in sorted(known_blobs - referenced):
-        remote.remove(blob_rel(bid))
-        known_blobs.discard(bid)
-        removed += 1
-    return removed
 
 
 @dataclass

@@ -230,6 +230,31 @@ class Replicator:
         # The lag as last known, before touching the remote (which may be down).
         lag = upload_lag(self.store.journal.read().records, self._remote_live)
         self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
+        rstate = self._remote_state()
+        local = self.store.journal.read()
+        plan = plan_round(local, rstate, self._skip)
+        self._set_pending(plan.upload, rstate)
+        seq = self._upload_missing(plan.upload, rstate.next_seq)
+        if plan.withdraw:
+            ids = [r.id for r in plan.withdraw]
+            event = {
+                "event": "prune",
+                "ids": ids,
+                "steps": [r.step for r in plan.withdraw],
+                "why": "rolled back",
+            }
+            self._retry("withdraw", lambda: self.journal.write(seq, event))
+            seq += 1
+        self._expire()
+        after = self._retry("journal read", self.journal.read)
+        self._next_seq = after.next_seq
+        left = plan_round(self.store.journal.read(), after, self._skip).upload
+        self._set_pending(left, after)
+        return len(left)
+
+    def _remote_state(self) -> RemoteState:
+        """The remote journal, made on first use and refused when it is another store's; the
+        remote's blobs listed again when another writer moved its journal on (or never listed)."""
         rstate = self._retry("journal read", self.journal.read)
         if rstate.store_id is None:
             self._retry("journal init", lambda: self.journal.init(self.store_id))
@@ -246,11 +271,12 @@ class Replicator:
             self._known_blobs = None
         if self._known_blobs is None:
             self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
-        local = self.store.journal.read()
-        plan = plan_round(local, rstate, self._skip)
-        self._set_pending(plan.upload, rstate)
-        seq = rstate.next_seq
-        for rec in plan.upload:
+        return rstate
+
+    def _upload_missing(self, upload: list[CheckpointRecord], seq: int) -> int:
+        """Each checkpoint of ``upload`` up and committed as remote journal line ``seq`` onwards,
+        oldest first, until stop(); one damaged or pruned locally is skipped. Returns the next line's seq."""
+        for rec in upload:
             if self._stop:
                 break
             try:
@@ -275,22 +301,7 @@ class Replicator:
             self.status.remote_steps.append(rec.step)
             self._remote_live.add(rec.id)
             self._write_status()
-        if plan.withdraw:
-            ids = [r.id for r in plan.withdraw]
-            event = {
-                "event": "prune",
-                "ids": ids,
-                "steps": [r.step for r in plan.withdraw],
-                "why": "rolled back",
-            }
-            self._retry("withdraw", lambda: self.journal.write(seq, event))
-            seq += 1
-        self._expire()
-        after = self._retry("journal read", self.journal.read)
-        self._next_seq = after.next_seq
-        left = plan_round(self.store.journal.read(), after, self._skip).upload
-        self._set_pending(left, after)
-        return len(left)
+        return seq
 
     def _set_pending(self, pending: list[CheckpointRecord], rstate: RemoteState) -> None:
         self._remote_live = rstate.live_ids()

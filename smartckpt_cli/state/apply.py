@@ -69,10 +69,17 @@ def _check_global(saved: Any, live: Any) -> None:
 
 
 def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> None:
-    manifest = loaded.manifest
-    saved = manifest["objects"]
-    not_stored = set(manifest.get("not_stored", []))
-    entries = manifest["entries"]
+    """Load ``loaded`` into ``objects`` (name to kind and object): every state is built and
+    checked before the first ``load_state_dict``, so a mismatch leaves every object untouched."""
+    plan = _build_states(loaded, objects)
+    _load_states(plan, loaded.manifest.get("resharded_from"))
+
+
+def _build_states(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> list[tuple[str, Any, Any]]:
+    """Each object in the checkpoint with the state to load into it, checked against it."""
+    saved = loaded.manifest["objects"]
+    not_stored = set(loaded.manifest.get("not_stored", []))
+    entries = loaded.manifest["entries"]
     plan: list[tuple[str, Any, Any]] = []
     # Sharded (DTensor) entries are rebuilt on the live model's mesh (same world size).
     mesh = next((m for _, o in objects.values() if (m := find_mesh(o.state_dict())) is not None), None)
@@ -84,22 +91,7 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
             continue
         skeleton = saved[name]["tree"]
         live_tree, current = flatten(obj.state_dict(), name)
-        tensors: dict[str, torch.Tensor] = {}
-        reset_l2 = False
-        for key in tensor_keys(skeleton):
-            if key in loaded.tensors:
-                tensors[key] = loaded.tensors[key]
-            elif key in not_stored and key in current:
-                tensors[key] = current[key]  # L4: not stored, reset to the live value
-            elif key in not_stored:
-                raise StateMismatchError(
-                    f"{key} is not stored (tier L4) and '{name}' has no such entry now to keep"
-                )
-            elif "L2" in loaded.skipped_tiers and entries.get(key, {}).get("tier") == "L2":
-                reset_l2 = True
-                tensors[key] = torch.empty(0)
-            else:
-                raise CheckpointCorrupt(f"step {loaded.record.step}: entry {key} is missing", tier="L1")
+        tensors, reset_l2 = _tensors_for(loaded, name, skeleton, current, not_stored, entries)
         sd = unflatten(skeleton, tensors, mesh)
         if kind == "module":
             _check_global(skeleton, live_tree)
@@ -111,9 +103,41 @@ def apply_checkpoint(loaded: Loaded, objects: dict[str, tuple[str, Any]]) -> Non
                 sd["state"] = {}
             check_optimizer(name, sd, obj, saved[name].get("param_shapes"))
         plan.append((name, obj, sd))
+    return plan
+
+
+def _tensors_for(
+    loaded: Loaded,
+    name: str,
+    skeleton: Any,
+    current: dict[str, torch.Tensor],
+    not_stored: set[str],
+    entries: dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The tensors of one object's skeleton, and whether its L2 entries were skipped (to reset)."""
+    tensors: dict[str, torch.Tensor] = {}
+    reset_l2 = False
+    for key in tensor_keys(skeleton):
+        if key in loaded.tensors:
+            tensors[key] = loaded.tensors[key]
+        elif key in not_stored and key in current:
+            tensors[key] = current[key]  # L4: not stored, reset to the live value
+        elif key in not_stored:
+            raise StateMismatchError(
+                f"{key} is not stored (tier L4) and '{name}' has no such entry now to keep"
+            )
+        elif "L2" in loaded.skipped_tiers and entries.get(key, {}).get("tier") == "L2":
+            reset_l2 = True
+            tensors[key] = torch.empty(0)
+        else:
+            raise CheckpointCorrupt(f"step {loaded.record.step}: entry {key} is missing", tier="L1")
+    return tensors, reset_l2
+
+
+def _load_states(plan: list[tuple[str, Any, Any]], resharded: Any) -> None:
+    """``load_state_dict`` on each object of a checked plan."""
     # Another world size (engine/reshard.py): loader positions are carried by their own rules
     # and may still refuse, so they go first, before anything else has changed.
-    resharded = manifest.get("resharded_from")
     plan.sort(key=lambda item: not isinstance(item[1], LoaderState))
     for name, obj, sd in plan:
         try:

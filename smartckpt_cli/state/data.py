@@ -12,8 +12,8 @@ as is (at another world size it is not loaded: :func:`load_stateful_loader`).
 With a ``DistributedSampler`` the state also records the *data position* in samples of the epoch's
 global order (see :mod:`smartckpt_cli.state.data_reshard`). Loaded on a rank of another world size,
 the next ``iter(loader)`` hands this rank its share of the rest of the epoch, cut into the live
-loader's batches; the epochs after it are the live sampler's own. At the same world size (and the
-same batch size) the exact path above is kept.
+loader's batches (:mod:`smartckpt_cli.state.data_carry` plans it); the epochs after it are the
+live sampler's own. At the same world size (and the same batch size) the exact path above is kept.
 
 Without a generator of its own a loader draws from the *global* torch RNG when an epoch starts:
 its iterator's base seed (the workers' seeds) and a ``RandomSampler``'s permutation seed. Those
@@ -41,17 +41,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from smartckpt_cli.errors import StateMismatchError
-from smartckpt_cli.state.data_reshard import (
-    batches_of,
-    consumed_positions,
-    deal,
-    dealt_len,
-    epoch_order,
-    remainder_indices,
-)
+from smartckpt_cli.state.data_carry import fresh_dealing, live_world, loader_batch_size, plan_carry
+from smartckpt_cli.state.data_reshard import batches_of, dealt_len
 
 __all__ = ["LoaderState", "load_stateful_loader"]
 
@@ -264,7 +258,7 @@ class LoaderState:
         }
         if self.loader.generator is None:  # its iterator draws from the global RNG (module docstring)
             self._epoch_start["global_rng"] = replay if replay is not None else torch.get_rng_state()
-        self._world = _live_world(self.loader)
+        self._world = live_world(self.loader)
         if carry is not None:
             self._remainder = (
                 carry["indices"]
@@ -273,7 +267,7 @@ class LoaderState:
             )
             self._dealing, self._base, self._dealt = carry["dealing"], carry["base"], carry["dealt"]
         else:
-            self._dealing, self._base, self._dealt = _fresh_dealing(self.loader), 0, 0
+            self._dealing, self._base, self._dealt = fresh_dealing(self.loader), 0, 0
             if self._dealing is not None:
                 self._dealt = dealt_len(
                     self._dealing["len"], self._dealing["world"], self._dealing["drop_last"]
@@ -344,7 +338,7 @@ class LoaderState:
         state["world"] = self._world
         state.update(_identity(self.loader))
         if self._dealing is not None:
-            size = _batch_size(self.loader)
+            size = loader_batch_size(self.loader)
             samples = self._dealt if self._exhausted else min(self._dealt, self._base + self.batches * size)
             state["position"] = {**self._dealing, "samples": samples, "base": self._base, "batch_size": size}
         return state
@@ -360,12 +354,14 @@ class LoaderState:
         this world size (no ``DistributedSampler``, a user ``batch_sampler``, an old state)."""
         self._reshard_note = None
         started = bool(state.get("started"))
-        saved_world = state.get("world", world if world is not None else _live_world(self.loader))
-        if started and saved_world == _live_world(self.loader):
+        saved_world = state.get("world", world if world is not None else live_world(self.loader))
+        if started and saved_world == live_world(self.loader):
             # The exact path: another dataset or sampler is refused, nothing loaded (another world
-            # size follows the elastic rules of _plan, which check what they need themselves).
+            # size follows the elastic rules of plan_carry, which check what they need themselves).
             _check_identity(state, self.loader)
-        carry = self._plan(state, world) if started else None  # raises before anything changes
+        carry = None
+        if started:  # raises before anything changes
+            carry, self._reshard_note = plan_carry(self.loader, state, world)
         self._pending, self._carry = (dict(state) if started else None), carry
         if started:
             self.epochs = int(state["epochs"])
@@ -376,127 +372,6 @@ class LoaderState:
         another world size, e.g. ``data position carried: epoch 3, 1200 of 5000 samples consumed,
         rest dealt to 4 ranks``; None otherwise."""
         return self._reshard_note
-
-    def _plan(self, state: dict[str, Any], world: int | None) -> dict[str, Any] | None:
-        """None for the exact path (skip the consumed batches); else the rest of the epoch."""
-        live = _live_world(self.loader)
-        saved = state.get("world", world)
-        pos = state.get("position")
-        if saved is None or int(saved) == live:
-            if pos is None or (
-                pos["prefix"] == 0 and pos["base"] == 0 and pos["batch_size"] == _batch_size(self.loader)
-            ):
-                return None
-            # Same world, but the dealing started mid-epoch (an earlier elastic resume) or the
-            # batch size changed: continue the same dealing, sample by sample.
-            ds = self._reshardable(pos, int(pos["world"]), live)
-            share = deal(
-                epoch_order(pos["len"], pos["seed"], pos["epoch"], pos["shuffle"])[pos["prefix"] :],
-                int(pos["world"]),
-                ds.rank,
-                bool(pos["drop_last"]),
-            )
-            done = min(len(share), int(pos["samples"]))
-            dealing = {k: pos[k] for k in _DEALING_KEYS}
-            return {
-                "indices": share[done:],
-                "dealing": {**dealing, "rank": ds.rank},
-                "base": done,
-                "dealt": len(share),
-            }
-        ds = self._reshardable(pos, int(saved), live)
-        assert pos is not None
-        start = consumed_positions(
-            pos["len"], pos["prefix"], pos["world"], pos["samples"], bool(pos["drop_last"])
-        )
-        indices = remainder_indices(
-            pos["len"],
-            pos["seed"],
-            pos["epoch"],
-            bool(pos["shuffle"]),
-            pos["prefix"],
-            pos["world"],
-            pos["samples"],
-            live,
-            ds.rank,
-            ds.drop_last,
-            old_drop_last=bool(pos["drop_last"]),
-        )
-        self._reshard_note = (
-            f"data position carried: epoch {pos['epoch']}, {start} of {pos['len']} samples consumed, "
-            f"rest dealt to {live} ranks"
-        )
-        dealing = {
-            **{k: pos[k] for k in ("len", "seed", "shuffle", "epoch")},
-            "drop_last": ds.drop_last,
-            "prefix": start,
-            "world": live,
-            "rank": ds.rank,
-        }
-        return {"indices": indices, "dealing": dealing, "base": 0, "dealt": len(indices)}
-
-    def _reshardable(self, pos: dict[str, Any] | None, saved: int, live: int) -> Any:
-        """The live DistributedSampler, or StateMismatchError naming why the data position
-        recorded at ``saved`` ranks cannot be carried to ``live`` ranks."""
-        why = _why_not_reshardable(self.loader)
-        if why is None and pos is None:
-            why = "the checkpoint records no data position (it predates elastic resume)"
-        sampler = self.loader.sampler
-        if why is None and pos is not None and len(sampler.dataset) != pos["len"]:  # type: ignore[attr-defined]
-            why = f"the dataset has {len(sampler.dataset)} samples, the checkpoint's had {pos['len']}"  # type: ignore[attr-defined]
-        if why is not None:
-            raise StateMismatchError(
-                f"cannot carry the DataLoader's position from {saved} to {live} rank(s): {why}"
-            )
-        return sampler
-
-
-_DEALING_KEYS = ("len", "seed", "shuffle", "epoch", "drop_last", "prefix", "world")
-
-
-def _batch_size(loader: DataLoader[Any]) -> int:
-    return int(loader.batch_size) if loader.batch_size is not None else 1
-
-
-def _why_not_reshardable(loader: DataLoader[Any]) -> str | None:
-    if loader.batch_size is None and loader.batch_sampler is not None:
-        return "the DataLoader was given its own batch_sampler"
-    sampler = loader.sampler
-    if not isinstance(sampler, DistributedSampler):
-        return f"its sampler is a {type(sampler).__name__}, not a torch.utils.data.DistributedSampler"
-    if type(sampler).__iter__ is not DistributedSampler.__iter__:
-        return f"its sampler {type(sampler).__name__} overrides DistributedSampler's order"
-    return None
-
-
-def _fresh_dealing(loader: DataLoader[Any]) -> dict[str, Any] | None:
-    """The dealing a live DistributedSampler is about to iterate (the whole epoch), or None."""
-    if _why_not_reshardable(loader) is not None:
-        return None
-    s: Any = loader.sampler
-    return {
-        "len": len(s.dataset),
-        "seed": int(s.seed),
-        "shuffle": bool(s.shuffle),
-        "epoch": int(s.epoch),
-        "drop_last": bool(s.drop_last),
-        "prefix": 0,
-        "world": int(s.num_replicas),
-        "rank": int(s.rank),
-    }
-
-
-def _live_world(loader: DataLoader[Any]) -> int:
-    """The world size this loader's data is dealt to: its DistributedSampler's ``num_replicas``,
-    else torch.distributed's world size, else 1."""
-    for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
-        if isinstance(s, DistributedSampler):
-            return int(s.num_replicas)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
 
 
 def load_stateful_loader(loader: Any, state: dict[str, Any], *, saved_world: int, world: int) -> str | None:

@@ -254,37 +254,42 @@ def read_record(rank_dir: Path) -> dict[str, Any] | None:
     if not isinstance(entries, dict) or not isinstance(rec.get("objects"), dict):
         raise ValueError(f"{where}: entries or objects is not a mapping")
     for key, e in entries.items():
-        name = f"entry {shown(key)}"
-        if not isinstance(e, dict) or not isinstance(e.get("tier"), str):
-            raise ValueError(f"{where}: {name} is not an entry")
-        try:
-            item = codec.itemsize(e.get("dtype"))  # type: ignore[arg-type]
-        except (ValueError, TypeError):
-            raise ValueError(f"{where}: {name} dtype {shown(e.get('dtype'))} is unknown") from None
-        shape = e.get("shape")
-        if not isinstance(shape, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
-        ):
-            raise ValueError(f"{where}: {name} shape {shown(shape)} is not a list of sizes")
-        count = 1
-        for n in shape:
-            count *= n
-        nbytes = _int(e.get("nbytes"), where, f"{name} nbytes")
-        off = _int(e.get("offset"), where, f"{name} offset")
-        if nbytes != count * item or off + nbytes > size:
-            raise ValueError(f"{where}: {name} ({nbytes} bytes at {off}) does not fit its shape or slot")
-        chunks = e.get("chunks")
-        if not isinstance(chunks, list) or not chunks:
-            raise ValueError(f"{where}: {name} chunks is not a list")
-        total = 0
-        for c in chunks:
-            if not isinstance(c, list) or len(c) != 2:
-                raise ValueError(f"{where}: {name} chunk {shown(c)} is not [length, hash]")
-            total += _int(c[0], where, f"{name} chunk length")
-            check_blob_id(c[1], where, f"{name} chunk hash")
-        if total != nbytes:
-            raise ValueError(f"{where}: {name} chunks cover {total} of {nbytes} bytes")
+        _check_entry(where, f"entry {shown(key)}", e, size)
     return rec
+
+
+def _check_entry(where: str, name: str, e: Any, size: int) -> None:
+    """One entry of a record: its dtype and shape, its place inside a slot of ``size`` bytes, and
+    chunks that cover it exactly; else ``ValueError`` naming the field."""
+    if not isinstance(e, dict) or not isinstance(e.get("tier"), str):
+        raise ValueError(f"{where}: {name} is not an entry")
+    try:
+        item = codec.itemsize(e.get("dtype"))  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise ValueError(f"{where}: {name} dtype {shown(e.get('dtype'))} is unknown") from None
+    shape = e.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise ValueError(f"{where}: {name} shape {shown(shape)} is not a list of sizes")
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = _int(e.get("nbytes"), where, f"{name} nbytes")
+    off = _int(e.get("offset"), where, f"{name} offset")
+    if nbytes != count * item or off + nbytes > size:
+        raise ValueError(f"{where}: {name} ({nbytes} bytes at {off}) does not fit its shape or slot")
+    chunks = e.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise ValueError(f"{where}: {name} chunks is not a list")
+    total = 0
+    for c in chunks:
+        if not isinstance(c, list) or len(c) != 2:
+            raise ValueError(f"{where}: {name} chunk {shown(c)} is not [length, hash]")
+        total += _int(c[0], where, f"{name} chunk length")
+        check_blob_id(c[1], where, f"{name} chunk hash")
+    if total != nbytes:
+        raise ValueError(f"{where}: {name} chunks cover {total} of {nbytes} bytes")
 
 
 def verify(
