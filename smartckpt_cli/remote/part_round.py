@@ -10,8 +10,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from smartckpt_cli._faults import fault_fail
-from smartckpt_cli.remote.backend import display_url
-from smartckpt_cli.remote.check import list_blobs
 from smartckpt_cli.remote.parts import (
     PARTS_DIR,
     abandoned_before,
@@ -20,7 +18,7 @@ from smartckpt_cli.remote.parts import (
     missing_markers,
     record_parts,
 )
-from smartckpt_cli.remote.plan import LocalBlobGone, RemoteMismatch, _LocalCorrupt, _writer, plan_round
+from smartckpt_cli.remote.plan import LocalBlobGone, _LocalCorrupt, _writer, plan_round
 from smartckpt_cli.remote.rjournal import RemoteState
 from smartckpt_cli.store.journal import CheckpointRecord
 
@@ -35,7 +33,7 @@ logger = logging.getLogger(__name__)
 def round_parts(rep: Replicator) -> int:
     """One round with several ranks: this rank's parts up and marked; on rank 0 the commit
     object of every step whose parts are all marked (parts.py)."""
-    rstate = _remote_state(rep)
+    rstate = rep.remote_state(may_init=rep.rank == 0)
     local = rep.store.journal.read()
     markers = set(rep._retry("part listing", lambda: rep.remote.list(PARTS_DIR)))
     remote_live = rstate.live_ids()
@@ -80,23 +78,6 @@ def round_parts(rep: Replicator) -> int:
         rep._remote_live.add(rec.id)
     _finish_round(rep, rstate, left, waiting)
     return len(left)
-
-
-def _remote_state(rep: Replicator) -> RemoteState:
-    """The remote journal, made by rank 0 on first use and refused when it is another store's;
-    the remote's blobs listed again when another writer moved its journal on (or never listed)."""
-    rstate = rep._retry("journal read", rep.journal.read)
-    if rstate.store_id is None and rep.rank == 0:
-        rep._retry("journal init", lambda: rep.journal.init(rep.store_id))
-        rstate = rep._retry("journal read", rep.journal.read)
-    if rstate.store_id is not None and rstate.store_id != rep.store_id:
-        raise RemoteMismatch(
-            f"{display_url(rep.remote.url)} holds the checkpoints of another store "
-            f"({rstate.store_id}, this one is {rep.store_id}); use another remote prefix"
-        )
-    if rstate.next_seq != rep._next_seq or rep._known_blobs is None:
-        rep._known_blobs = rep._retry("blob listing", lambda: list_blobs(rep.remote))
-    return rstate
 
 
 def _finish_round(rep: Replicator, rstate: RemoteState, left: list[CheckpointRecord], waiting: bool) -> None:

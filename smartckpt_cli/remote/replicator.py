@@ -230,7 +230,7 @@ class Replicator:
         # The lag as last known, before touching the remote (which may be down).
         lag = upload_lag(self.store.journal.read().records, self._remote_live)
         self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
-        rstate = self._remote_state()
+        rstate = self.remote_state()
         local = self.store.journal.read()
         plan = plan_round(local, rstate, self._skip)
         self._set_pending(plan.upload, rstate)
@@ -252,14 +252,15 @@ class Replicator:
         self._set_pending(left, after)
         return len(left)
 
-    def _remote_state(self) -> RemoteState:
-        """The remote journal, made on first use and refused when it is another store's; the
-        remote's blobs listed again when another writer moved its journal on (or never listed)."""
+    def remote_state(self, *, may_init: bool = True) -> RemoteState:
+        """The remote journal, made on first use (``may_init``: by this process; with several
+        ranks rank 0 alone makes it) and refused when it is another store's; the remote's blobs
+        listed again when another writer moved its journal on (or never listed)."""
         rstate = self._retry("journal read", self.journal.read)
-        if rstate.store_id is None:
+        if rstate.store_id is None and may_init:
             self._retry("journal init", lambda: self.journal.init(self.store_id))
             rstate = self._retry("journal read", self.journal.read)
-        if rstate.store_id != self.store_id:
+        if (rstate.store_id is not None or may_init) and rstate.store_id != self.store_id:
             raise RemoteMismatch(
                 f"{display_url(self.remote.url)} holds the checkpoints of another store "
                 f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
