@@ -147,8 +147,9 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
 
 def _stopped(forwarded: int, rc: int, status: int) -> Outcome:
     """The stop the user asked for (TERM/INT, forwarded to the child): the run ends."""
-    # It ends with that signal's status when the child exited with a code of its own (torchrun's agent exits 1 after passing SIGINT to its workers); a
-    # child killed after the grace period keeps its own (137).
+    # It ends with that signal's status when the child exited with a code of its own (torchrun's
+    # agent exits 1 after passing SIGINT to its workers); a child killed after the grace period
+    # keeps its own (137).
     return Outcome(
         "signalled",
         "stopped",
