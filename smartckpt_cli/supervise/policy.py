@@ -125,15 +125,7 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     """Decide what follows an attempt (see the module docstring)."""
     rc, status = end.returncode, exit_status(end.returncode)
     if end.forwarded is not None:
-        # The stop the user asked for ends the run with that signal's status when the child exited
-        # with a code of its own (torchrun's agent exits 1 after passing SIGINT to its workers); a
-        # child killed after the grace period keeps its own (137).
-        return Outcome(
-            "signalled",
-            "stopped",
-            f"stopped by {_signame(end.forwarded)} (forwarded to the child)",
-            128 + end.forwarded if rc > 0 else status,
-        )
+        return _stopped(end.forwarded, rc, status)
     if rc == 0:
         return Outcome("done", "done", "finished", 0)
     if end.preempted is not None:
@@ -144,22 +136,47 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
     text = f"{etype}: {emsg}" if etype else ""
     rank = err.get("rank")
     if isinstance(rank, int) and not etype:  # a rank that wrote no error: how it ended (root_failure)
-        how = (
-            f"killed by {err['signal']}"
-            if err.get("signal")
-            else f"exit code {err['exitcode']}"
-            if err.get("exitcode") is not None
-            else "ended without an error of its own (killed by a signal?)"
-        )
-        return _ended(end, f"rank {rank} {how}", status)
+        return _ended(end, f"rank {rank} {_rank_end(err)}", status)
     if isinstance(rank, int):
         text = f"rank {rank}: {text}"
+    refused = _refused(etype, emsg, text, list(patterns), status)
+    if refused is not None:
+        return refused
+    return _failed(end, text, status)
+
+
+def _stopped(forwarded: int, rc: int, status: int) -> Outcome:
+    """The stop the user asked for (TERM/INT, forwarded to the child): the run ends."""
+    # It ends with that signal's status when the child exited with a code of its own (torchrun's
+    # agent exits 1 after passing SIGINT to its workers); a child killed after the grace period
+    # keeps its own (137).
+    return Outcome(
+        "signalled",
+        "stopped",
+        f"stopped by {_signame(forwarded)} (forwarded to the child)",
+        128 + forwarded if rc > 0 else status,
+    )
+
+
+def _rank_end(err: dict[str, Any]) -> str:
+    """How a rank that wrote no error of its own ended, in words."""
+    return (
+        f"killed by {err['signal']}"
+        if err.get("signal")
+        else f"exit code {err['exitcode']}"
+        if err.get("exitcode") is not None
+        else "ended without an error of its own (killed by a signal?)"
+    )
+
+
+def _refused(etype: str, emsg: str, text: str, patterns: list[str], status: int) -> Outcome | None:
+    """The child's error says a restart cannot help: stop; None when it does not."""
     if etype.rsplit(".", 1)[-1] == "RemoteStartRefused":
         # The child waited remote_start_wait for the remote and refused to start over at step 0:
         # a restart now would wait again; the operator decides (run again, or start fresh).
         return Outcome("stop", "remote-unreachable", _short(emsg, 400), EXIT_REMOTE_UNREACHABLE)
     if etype:
-        pat = _matches(list(patterns), text)
+        pat = _matches(patterns, text)
         if pat is not None:
             return Outcome(
                 "stop", "non-retryable", f"{_short(text)} matches no_restart_on pattern {pat!r}", status
@@ -168,6 +185,12 @@ def classify(end: AttemptEnd, *, patterns: list[str] | tuple[str, ...] = ()) -> 
             return Outcome(
                 "stop", "non-retryable", f"{_short(text)}: a restart would fail the same way", status
             )
+    return None
+
+
+def _failed(end: AttemptEnd, text: str, status: int) -> Outcome:
+    """A failure whose error (``text``, maybe empty) does not rule out a restart."""
+    rc = end.returncode
     if end.hung:
         return Outcome("restart", "hang", "hung: no heartbeat within the hang timeout", status)
     if not end.progressed and not (rc < 0 and end.progressed is None):
