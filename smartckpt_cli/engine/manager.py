@@ -17,7 +17,8 @@ failure never raises in the training thread: it is logged, counted, journalled, 
 ``step()`` and reported by ``close()``.
 
 A facade: what it does is elsewhere. The per-step path and the optimizer pre-hook are
-:mod:`.stepping`, the save path :mod:`.saving` (both mixins over this class's state); one process
+:mod:`.stepping`, the save path :mod:`.saving` and its RAM tier's side :mod:`.ramsave` (mixins
+over this class's state); one process
 or several ranks is one :class:`~.coordinator.Coordinator`; the remote tier is a commit observer
 and a restore source (:mod:`.observers`); the single-writer lock is the store's
 (:class:`~smartckpt_cli.store.directory.WriterLock`); the save-cost average is the trigger's
@@ -47,6 +48,7 @@ from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, Loc
 from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
+from smartckpt_cli.engine.ramsave import RamSavePath
 from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded, same_lineage
@@ -100,7 +102,7 @@ def _announce(manager: Any) -> None:
         fn(manager)
 
 
-class CheckpointManager(StepPath, SavePath):
+class CheckpointManager(StepPath, SavePath, RamSavePath):
     """Checkpoints registered objects into a store directory (see module docstring).
 
     Arguments left as ``None`` come from the settings: ``./smartckpt.yaml`` (or ``config``),
