@@ -16,9 +16,9 @@ snapshot at a time (encoding fans out to a small worker pool), then retention. A
 failure never raises in the training thread: it is logged, counted, journalled, returned by
 ``step()`` and reported by ``close()``.
 
-A facade: what it does is elsewhere. The per-step path and the optimizer pre-hook are
-:mod:`.stepping`, the save path :mod:`.saving` and its RAM tier's side :mod:`.ramsave` (mixins
-over this class's state); one process
+A facade: what it does is elsewhere. The per-step path is :mod:`.stepping`, the optimizer
+pre-hook :mod:`.prehook`, where saves are staged :mod:`.staging`, the save path :mod:`.saving`
+and its RAM tier's side :mod:`.ramsave` (mixins over this class's state); one process
 or several ranks is one :class:`~.coordinator.Coordinator`; the remote tier is a commit observer
 and a restore source (:mod:`.observers`); the single-writer lock is the store's
 (:class:`~smartckpt_cli.store.directory.WriterLock`); the save-cost average is the trigger's
@@ -47,6 +47,7 @@ from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.prehook import PreHookPath
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramsave import RamSavePath
 from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
@@ -56,6 +57,7 @@ from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
+from smartckpt_cli.engine.staging import StagingPrep
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
@@ -102,7 +104,7 @@ def _announce(manager: Any) -> None:
         fn(manager)
 
 
-class CheckpointManager(StepPath, SavePath, RamSavePath):
+class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePath):
     """Checkpoints registered objects into a store directory (see module docstring).
 
     Arguments left as ``None`` come from the settings: ``./smartckpt.yaml`` (or ``config``),

@@ -97,7 +97,7 @@ class SavePath:
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
-    _plan_budget: Callable[[Any], Any]  # stepping.py
+    _plan_budget: Callable[[Any], Any]  # staging.py
     _budgeted: bool
     _settle_slot: Callable[[Any, int], None]  # ramsave.py
     _ram_end: Callable[[int], None]
@@ -183,7 +183,7 @@ class SavePath:
         return self._hand_over_checkpoint(snap, step, t0, healthy, next_step)
 
     def _plan_first_budget(self) -> None:
-        try:  # a save before the first step: what the budget allows (stepping.py)
+        try:  # a save before the first step: what the budget allows (staging.py)
             self._plan_budget(
                 staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
             )
