@@ -5,7 +5,9 @@ Apart from :mod:`.stepping` because it runs inside the user's ``optimizer.step()
 ``mgr.step()``: the lazy snapshot's guard, the gradient statistics of an evaluation step and,
 when the policy can save before the update (one process), the evaluation itself and the save of
 the previous step, whose parameters and moments are still untouched. Nothing here may raise into
-the user's optimizer. A mixin, as :mod:`.stepping` is: the state it reads is the manager's.
+the user's optimizer. Zero-code mode's own optimizer hooks say here when an update begins and
+ends (``update_begins``, ``update_done``): the loss of the step being updated goes with a save of
+the step before it. A mixin, as :mod:`.stepping` is: the state it reads is the manager's.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class PreHookPath:
     _last_reading: SignalReading | None
     _next_eval: int
     _check: ResumeCheck
+    _ahead: tuple[int, Any, Any, Any] | None  # (step, loss, scale, optimizer): zero-code's update
+    _take_check: Callable[[int, Any, Any], None]  # stepping.py
     _launch: Callable[[int], None]  # stepping.py
     _context: Callable[[int, SignalReading | None], TriggerContext]  # stepping.py
     _save: Callable[..., SaveHandle]
@@ -130,3 +134,22 @@ class PreHookPath:
                 scale = getattr(obj, "_scale", None)
                 return scale if isinstance(scale, torch.Tensor) else None
         return None
+
+    def wants_loss_before_update(self, step: int) -> bool:
+        """Whether :meth:`update_begins` for ``step`` matters beyond a save of ``step - 1``:
+        the resume check compares ``step``'s values (a restore or a save came just before)."""
+        return self._check.step == step
+
+    def update_begins(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
+        """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
+        loss of ``step`` is known before its update. A save of ``step - 1`` taken before
+        :meth:`update_done` (the post-hook of ``step``) records it with the checkpoint, a
+        precursor save included; after a restore it is checked."""
+        self._ahead = (step, loss, loss_scale, optimizer)
+        if self._check.step == step and self._check.restored is not None:
+            self._check.grads(optimizer)
+            self._take_check(step, loss, loss_scale)
+
+    def update_done(self) -> None:
+        """The update :meth:`update_begins` announced is done: its loss no longer goes with a save."""
+        self._ahead = None
