@@ -16,8 +16,10 @@ snapshot at a time (encoding fans out to a small worker pool), then retention. A
 failure never raises in the training thread: it is logged, counted, journalled, returned by
 ``step()`` and reported by ``close()``.
 
-A facade: what it does is elsewhere. The per-step path and the optimizer pre-hook are
-:mod:`.stepping`, the save path :mod:`.saving` (both mixins over this class's state); one process
+A facade: what it does is elsewhere. The per-step path is :mod:`.stepping`, the optimizer
+pre-hook :mod:`.prehook`, where saves are staged :mod:`.staging`, the save path :mod:`.saving`
+(its RAM tier's side :mod:`.ramsave`), the restore path :mod:`.restoring` (all mixins over this
+class's state, set up here in one helper per part of ``__init__``); one process
 or several ranks is one :class:`~.coordinator.Coordinator`; the remote tier is a commit observer
 and a restore source (:mod:`.observers`); the single-writer lock is the store's
 (:class:`~smartckpt_cli.store.directory.WriterLock`); the save-cost average is the trigger's
@@ -40,26 +42,27 @@ from typing import Any
 import torch
 
 from smartckpt_cli.config import Settings, load_settings
-from smartckpt_cli.engine import ddp_layout, heartbeat
+from smartckpt_cli.engine import heartbeat
 from smartckpt_cli.engine.cadence import StepClock
 from smartckpt_cli.engine.coordinator import make_coordinator
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
+from smartckpt_cli.engine.prehook import PreHookPath
 from smartckpt_cli.engine.prestep import Boundary
-from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
+from smartckpt_cli.engine.ramsave import RamSavePath
+from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
-from smartckpt_cli.engine.restore import Loaded, same_lineage
-from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
+from smartckpt_cli.engine.restoring import RestorePath
+from smartckpt_cli.engine.resumecheck import ResumeCheck
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
+from smartckpt_cli.engine.staging import StagingPrep
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
 from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
-from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
-from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
 from smartckpt_cli.state.wrappers import ACCELERATOR, accelerator_of
@@ -100,7 +103,7 @@ def _announce(manager: Any) -> None:
         fn(manager)
 
 
-class CheckpointManager(StepPath, SavePath):
+class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePath, RestorePath):
     """Checkpoints registered objects into a store directory (see module docstring).
 
     Arguments left as ``None`` come from the settings: ``./smartckpt.yaml`` (or ``config``),
@@ -132,6 +135,17 @@ class CheckpointManager(StepPath, SavePath):
         else:
             self.settings, _ = load_settings(config, overrides)
         s = self.settings
+        # In this order: the store is open (and, on rank 0, locked) before anything writes to it,
+        # and the RAM tier is named after the store's id.
+        self._open_store(s, create)
+        self._init_trigger(s, policy)
+        self._init_step_state(s)
+        self._init_save_path(s)
+        self._init_restore_state()
+        for observer in self._observers:
+            observer.on_start(self.store_id)
+
+    def _open_store(self, s: Settings, create: bool) -> None:
         self.store: StoreDir = open_store(s.dir, s.meta_dir, create=create)
         self._lock = self.store.writer_lock()
         # One process or several ranks (coordinator.py): the leader (rank 0) holds the writer
@@ -159,6 +173,9 @@ class CheckpointManager(StepPath, SavePath):
             report(rank=self._coord.rank)
         if not self._coord.leads:  # several ranks: every rank ships and fetches its own part
             self._source, self._observers = open_tiers(s, self.store, self._coord.rank, self._coord.world)
+
+    def _init_trigger(self, s: Settings, policy: Policy | None) -> None:
+        """The trigger's side: the policy, its signals and when it need be asked again."""
         self.policy: Policy = policy or make_policy(s)
         # Whether the policy may save before the optimizer update: only then is a boundary
         # captured and, on CUDA, the pre-hook's reading waited for (a host sync).
@@ -173,6 +190,9 @@ class CheckpointManager(StepPath, SavePath):
         self._wish: Decision | None = None  # a save asked for, waiting for a step that can take it
         self._eval_cost = 0.0  # host seconds of the evaluation in progress
         self._prepare = False  # prepare the staging buffers at the next step
+
+    def _init_step_state(self, s: Settings) -> None:
+        """What step() and the optimizer pre-hook keep from one step to the next (training thread)."""
         # The fast path of step(): nothing happens before this step and time (stepping.py).
         self._calm_step, self._calm_time, self._next_eval = -1, -math.inf, -1
         self._keep_from, self._record_until = 1 << 62, -1
@@ -196,7 +216,10 @@ class CheckpointManager(StepPath, SavePath):
         self._pre_hooks = 0  # optimizer pre-hooks seen since the last step()
         self._pre_saved: tuple[SaveHandle, str] | None = None
         self._precursor_refused: set[str] = set()
-        # Smoothed costs of recent saves, fed to the policy (trigger/cost.py).
+
+    def _init_save_path(self, s: Settings) -> None:
+        """The registered objects and what a save runs through: staging, the RAM tier, the
+        writer and the save thread, and what the save thread tells the training thread."""
         self._objects: dict[str, tuple[str, Any]] = {RNG: (RNG, RNGState())}
         self._optimizers: list[Any] = []
         self._hooks: list[Any] = []
@@ -240,6 +263,9 @@ class CheckpointManager(StepPath, SavePath):
         self._schedule = SaveSchedule(time.monotonic())
         self._closed = False
         self.last_commit: CommitInfo | None = None
+
+    def _init_restore_state(self) -> None:
+        """What the last restore left: its manifest, its limits, the lineage, the resume check."""
         self.last_restore: dict[str, Any] | None = None  # manifest of the restored checkpoint
         # Why the steps after the last restore may not be bit-exact with an uninterrupted run
         # (one line each, also logged; ddp_layout.py); empty when nothing is known to differ.
@@ -254,8 +280,6 @@ class CheckpointManager(StepPath, SavePath):
         # code mode hands the loss of the step being updated (``update_begins``) before step().
         self._check = ResumeCheck()
         self._ahead: tuple[int, Any, Any, Any] | None = None  # (step, loss, scale, optimizer)
-        for observer in self._observers:
-            observer.on_start(self.store_id)
 
     # ------------------------------------------------------------------ setup
 
@@ -336,174 +360,6 @@ class CheckpointManager(StepPath, SavePath):
     def _restore(self, include_unhealthy: bool) -> int:
         loaded = self.read(include_unhealthy=include_unhealthy)
         return self.apply(loaded) if loaded is not None else 0
-
-    def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
-        """The newest committed checkpoint that verifies, loaded but not applied (None when the
-        store has none). Integrations whose objects appear at different times (a Trainer builds
-        its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
-        self.wait()
-        self._read_began = time.time()
-        state = self.store.journal.read()
-        reset = self.settings.on_l2_corrupt == "reset"
-        # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
-        # and every chunk verifies (on every rank), else the disk, then the remote, as before.
-        every = self._source.order(state, include_unhealthy=include_unhealthy)
-        loaded_ram = self._read_ram(every[0].record.step if every else -1, include_unhealthy)
-        if loaded_ram is not None:
-            self._restored_from = "ram"
-            return loaded_ram
-
-        def read_part(rec: Any) -> Loaded:
-            return self._coord.load(
-                self.store, rec, state.store_id, skip_corrupt_l2=reset, workers=self.settings.n_workers
-            )
-
-        # The newest candidate that verifies (several ranks: on every rank); a local copy that
-        # fails is repaired from the remote tier when there is one. Only the newest lineage:
-        # falling back into an older one would resume another run's training as if it were this.
-        order = same_lineage(every)
-        where: dict[str, str] = {}
-
-        def load(cand: Any) -> Loaded:
-            got = self._source.load(cand, read_part)
-            where[got.record.id] = "remote" if getattr(cand, "where", "local") == "remote" else "disk"
-            return got
-
-        try:
-            loaded = self._coord.restore(order, load, self.store.root)
-        except NoCheckpointError as err:
-            older = [c.record.step for c in every if c not in order]
-            if not older:
-                raise
-            raise NoCheckpointError(
-                f"{err}; {len(older)} older checkpoint(s) (newest step {older[0]}) belong to another "
-                "lineage, a training that began again at step 0 after them: not restored in its place "
-                "(smartckpt inspect shows the lineages)"
-            ) from None
-        if loaded is None:
-            report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
-        else:
-            self._restored_from = where.get(loaded.record.id, "disk")
-        return loaded
-
-    def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
-        """The RAM tier's snapshot, verified, when it is at least as new as ``disk_step``; with
-        several ranks only when every rank has verified one of the same step."""
-        if self._ram is None and not os.environ.get(ENV_AREA):
-            return None  # no RAM tier on any rank (the area is the same on every rank)
-        # A rank whose tier is off still takes part in the agreement below (a collective).
-        rec = self._ram.candidate(include_unhealthy=include_unhealthy) if self._ram is not None else None
-        loaded = None
-        if self._ram is not None and rec is not None and int(rec["step"]) >= disk_step:
-            loaded = self._ram.load(rec)
-        step = int(loaded.record.step) if loaded is not None else None
-        if not self._coord.agree_on(step):
-            if loaded is not None:
-                logger.warning(
-                    "smartckpt: the RAM snapshot of step %s is not on every rank; restoring from disk", step
-                )
-            return None
-        return loaded
-
-    def apply(self, loaded: Loaded, names: list[str] | None = None) -> int:
-        """Load ``loaded`` (from :meth:`read`) into the registered objects, all of them or those
-        ``names``; returns its step. The manager counts from that step on."""
-        objects = self._objects if names is None else {n: self._objects[n] for n in names}
-        apply_checkpoint(loaded, objects)
-        if loaded.manifest.get("resharded_from") is None:  # same world size: bit-exact (ddp_layout.py)
-            meta = loaded.manifest.get("meta", {}).get(ddp_layout.DDP_META)
-            where = (self._coord.world, self._coord.rank)
-            self.resume_limits = ddp_layout.restore(meta, objects, *where, int(loaded.record.step))
-        if self.last_restore is not loaded.manifest:
-            self._persister.remember(loaded.manifest)
-            self.last_restore = loaded.manifest
-            self._schedule.restored(int(loaded.record.step), time.monotonic())
-            # The loop goes on from here: the optimizer pre-hook of the next step reads (and a
-            # trace row names) step + 1, and the gradient hooks are armed for that step.
-            self._last_step = int(loaded.record.step)
-            self._signals.arm(self._signals.due(self._last_step + 1))
-            self._quiet, self._prepare = (-math.inf, -math.inf), True
-            self._clock.skip()
-            self._uncalm()
-            logger.info("restored step %d from %s", loaded.record.step, loaded.record.manifest)
-            self._resumed(loaded)
-        return int(loaded.record.step)
-
-    def _resumed(self, loaded: Loaded) -> None:
-        """After a restore: continue its lineage, arm the resume check for the next step, and
-        tell ``smartckpt run`` where the loop begins."""
-        rec = loaded.record
-        lineage = rec.event.get("lineage")
-        self.lineage = str(lineage) if lineage else None  # None: checkpoints from before lineages
-        on_cpu = all(t.device.type == "cpu" for t in self._some_tensors())
-        restored = {
-            "id": rec.id,
-            "step": rec.step,
-            # the journal's values are rank 0's (it alone writes them): the other ranks compare
-            # only what their own part's manifest holds
-            "expected": expected_of(
-                loaded.manifest, rec.id, self._journal_events if self._coord.leads else list
-            ),
-            "rtol": tolerance(on_cpu_only=on_cpu, deterministic=torch.are_deterministic_algorithms_enabled()),
-        }
-        if self.resume_limits:  # what this restore knows it could not carry: the line names it
-            restored["known"] = list(self.resume_limits)
-        if restored["expected"] is None and not self._coord.leads:
-            restored["skip"] = "rank 0 alone recorded the step after this checkpoint (in the journal)"
-        if loaded.manifest.get("resharded_from") is not None:
-            # another world size: every rank trains on other batches than before, by design
-            restored["skip"] = (
-                f"resumed at another world size (from {loaded.manifest['resharded_from']} ranks)"
-            )
-        self._check.check(int(rec.step) + 1, restored)
-        report(
-            start_step=int(rec.step),
-            restored_from=self._restored_from or "disk",
-            checkpoint=rec.id,
-            lineage=self.lineage,
-            # for smartckpt run's record of a restart: the restore's phases (wall times); the
-            # first resumed step's end follows from step() (_first_step_report)
-            restore_began=self._read_began,
-            restore_done=time.time(),
-        )
-        self._first_step_report = True
-
-    def _some_tensors(self) -> list[torch.Tensor]:
-        """A parameter of every registered module and optimizer: where the training runs."""
-        out = []
-        for kind, obj in self._objects.values():
-            if kind == OPTIMIZER:
-                out += [p for g in obj.param_groups for p in g["params"][:1]]
-            elif kind == "module":
-                mod = getattr(obj, "module", obj)  # zero-code wraps its modules
-                out += list(mod.parameters())[:1] if isinstance(mod, torch.nn.Module) else []
-        return out
-
-    def _journal_events(self) -> list[dict[str, Any]]:
-        try:
-            return self.store.journal.read_events()[1]
-        except Exception as err:  # the check goes without; the restore stands
-            logger.debug("journal unreadable for the resume check: %s", err)
-            return []
-
-    def wants_loss_before_update(self, step: int) -> bool:
-        """Whether :meth:`update_begins` for ``step`` matters beyond a save of ``step - 1``:
-        the resume check compares ``step``'s values (a restore or a save came just before)."""
-        return self._check.step == step
-
-    def update_begins(self, step: int, loss: Any, loss_scale: Any, optimizer: Any) -> None:
-        """Zero-code mode, in the pre-hook of ``optimizer`` (the first to step) at ``step``: the
-        loss of ``step`` is known before its update. A save of ``step - 1`` taken before
-        :meth:`update_done` (the post-hook of ``step``) records it with the checkpoint, a
-        precursor save included; after a restore it is checked."""
-        self._ahead = (step, loss, loss_scale, optimizer)
-        if self._check.step == step and self._check.restored is not None:
-            self._check.grads(optimizer)
-            self._take_check(step, loss, loss_scale)
-
-    def update_done(self) -> None:
-        """The update :meth:`update_begins` announced is done: its loss no longer goes with a save."""
-        self._ahead = None
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -10,7 +10,8 @@ shared ``gc.lock``; several ranks: the two-phase commit), then the commit observ
 counted, journalled and never raised into the training thread. A preemption signal makes
 ``_preempted`` take a blocking save, tell the observers (``on_preempt``) and hand the signal on.
 
-This is a mixin, as :mod:`.stepping` is: the state it reads is the manager's.
+This is a mixin, as :mod:`.stepping` is: the state it reads is the manager's. The RAM tier's side
+of a save (its slot, the RAM snapshot on the save thread) is :mod:`.ramsave`'s.
 """
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ class SavePath:
     last_commit: CommitInfo | None
 
     _uncalm: Callable[[], None]  # stepping.py
-    _plan_budget: Callable[[Any], Any]  # stepping.py
+    _plan_budget: Callable[[Any], Any]  # staging.py
     _budgeted: bool
+    _settle_slot: Callable[[Any, int], None]  # ramsave.py
+    _ram_end: Callable[[int], None]
+    _ram_commit: Callable[[Any], None]
+    _persist_ram: Callable[..., CommitInfo | None]
 
     def save(self, step: int, reason: str = "manual", blocking: bool = False) -> SaveHandle:
         """Save now, on the eager path: blocks for the whole snapshot copy (and for a save still in
@@ -151,34 +156,14 @@ class SavePath:
         t0 = time.perf_counter()
         self.wait()  # one save in flight: its staging buffers are about to be refilled
         if self.settings.memory_budget and not self._budgeted and objects is None:
-            try:  # a save before the first step: what the budget allows (stepping.py)
-                self._plan_budget(
-                    staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
-                )
-            except Exception as err:  # the snapshot below raises it again, as a failed save
-                logger.debug("memory budget not planned: %s", err)
+            self._plan_first_budget()
         # The RAM tier's free slot (ramtier.py): the snapshot's staging buffers are its memory.
         ram = self._ram.begin() if self._ram is not None else None
         if ram_only and ram is None:
             return SaveHandle(step, None)  # nothing to take it into (a slot being read): skipped
         self._stager.use(ram[1] if ram is not None else None)
         try:
-            snap = take_snapshot(
-                self._objects if objects is None else objects,
-                stager=self._stager,
-                step=step,
-                reason=decision.reason,
-                score=decision.score,
-                precision=self.settings.precision,
-                rules=self.settings.tiers,
-                meta=self._meta,
-                lazy_params=self._guarded_params() if lazy else None,
-                trained=self._guarded_params(),
-                unchanged=self._unchanged if objects is None else None,
-                slot=(ram[0], self._ram.layout) if ram is not None and self._ram is not None else None,
-                ram_only=ram_only,
-                pager=self._pager if ram is None else None,
-            )
+            snap = self._take(step, decision, lazy=lazy, objects=objects, ram=ram, ram_only=ram_only)
         except Exception as err:  # a state_dict() that raises: a failed save, not a failed step
             self._stager.use(None)
             if ram is not None:
@@ -186,15 +171,56 @@ class SavePath:
             self._save_failed(step, err)
             return SaveHandle.failed(step, err)
         if ram is not None:
-            if self._stager.missed:  # an entry without its place in the slot: not a RAM snapshot
-                self._ram_end(ram[0])
-                self._prepare = True  # the state changed shape: the slots are laid out again
-            else:
-                snap.ram_slot = ram[0]
-                # private buffers a snapshot that missed the slot left (a slot being read):
-                # freed, so the state is held once beyond training, in the slot
-                self._stager.forget_except(set())
+            self._settle_slot(snap, ram[0])
         self._stager.use(None)
+        healthy = self._label(snap, decision)
+        next_step = self._values_ahead(step)
+        if ram_only:
+            handle = self._hand_over(snap, t0, ram_only=True, next_step=next_step)
+            if next_step is None:  # taken at step(step + 1), then written into the RAM record
+                self._check.expect(step + 1, None)
+            return handle
+        return self._hand_over_checkpoint(snap, step, t0, healthy, next_step)
+
+    def _plan_first_budget(self) -> None:
+        try:  # a save before the first step: what the budget allows (staging.py)
+            self._plan_budget(
+                staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
+            )
+        except Exception as err:  # the snapshot raises it again, as a failed save
+            logger.debug("memory budget not planned: %s", err)
+
+    def _take(
+        self,
+        step: int,
+        decision: Decision,
+        *,
+        lazy: bool,
+        objects: dict[str, tuple[str, Any]] | None,
+        ram: tuple[int, dict[str, torch.Tensor]] | None,
+        ram_only: bool,
+    ) -> Any:
+        """The snapshot (snapshot.py): of ``objects`` (a precursor's boundary) or of the
+        registered objects, into the RAM slot ``ram`` when there is one, else into the pager."""
+        return take_snapshot(
+            self._objects if objects is None else objects,
+            stager=self._stager,
+            step=step,
+            reason=decision.reason,
+            score=decision.score,
+            precision=self.settings.precision,
+            rules=self.settings.tiers,
+            meta=self._meta,
+            lazy_params=self._guarded_params() if lazy else None,
+            trained=self._guarded_params(),
+            unchanged=self._unchanged if objects is None else None,
+            slot=(ram[0], self._ram.layout) if ram is not None and self._ram is not None else None,
+            ram_only=ram_only,
+            pager=self._pager if ram is None else None,
+        )
+
+    def _label(self, snap: Any, decision: Decision) -> bool:
+        """The snapshot's health, calm and metadata; whether its loss was finite."""
         healthy = self._loss_is_finite()
         snap.health = "ok" if healthy else "nonfinite-loss"
         snap.calm = decision.calm and healthy
@@ -203,19 +229,22 @@ class SavePath:
             snap.meta[ddp_layout.DDP_META] = ddp
         if self.lineage is not None:
             snap.meta["lineage"] = self.lineage
+        return healthy
+
+    def _values_ahead(self, step: int) -> Values | None:
         # The resume check's expectation (resumecheck.py): zero-code mode saves from the pre-hook
         # of the next step, whose loss and gradients exist already: they go with the checkpoint
         # (a RAM snapshot's too).
         ahead = self._ahead
-        next_step: Values | None = None
-        slot: NextStepSlot | None = None
         if ahead is not None and ahead[0] == step + 1:
-            next_step = capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
-        if ram_only:
-            handle = self._hand_over(snap, t0, ram_only=True, next_step=next_step)
-            if next_step is None:  # taken at step(step + 1), then written into the RAM record
-                self._check.expect(step + 1, None)
-            return handle
+            return capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
+        return None
+
+    def _hand_over_checkpoint(
+        self, snap: Any, step: int, t0: float, healthy: bool, next_step: Values | None
+    ) -> SaveHandle:
+        """A checkpoint to the save thread; the trigger's schedule moves to it."""
+        slot: NextStepSlot | None = None
         if next_step is None:  # taken at step(step + 1): into the manifest if still in time, else the journal
             slot = NextStepSlot()
             snap.before_manifest = slot.close
@@ -264,36 +293,6 @@ class SavePath:
         handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
         self._inflight = handle
         return handle
-
-    def _ram_end(self, slot: int) -> None:
-        assert self._ram is not None
-        self._ram.end(slot)
-
-    def _ram_commit(self, snap: Any) -> None:
-        """Save thread: the snapshot becomes the RAM snapshot once its copies are done (hashed,
-        recorded; ramtier.py). A failure is said once and the RAM tier stands down: the disk
-        save goes on."""
-        if snap.ram_slot is None or self._ram is None:
-            return
-        try:
-            snap.wait_ready()
-            self._ram.commit(snap, snap.ram_slot, self._persister.pool)
-            staged = {it.plan.key for it in snap.staged}
-            self._unchanged.ram_committed((snap.ram_slot, self._ram.layout), snap.fingerprints, staged)
-        except Exception as err:
-            self._ram.stand_down(
-                f"the RAM snapshot of step {snap.step} failed ({type(err).__name__}: {err}): the RAM tier "
-                "stands down, restarts restore from disk"
-            )
-        finally:
-            self._ram_end(snap.ram_slot)
-
-    def _persist_ram(self, snap: Any, next_step: Values | None = None) -> CommitInfo | None:
-        """Save thread: a RAM snapshot alone (``_hand_over``); its failure is said, never raised."""
-        if next_step is not None:
-            snap.meta = {**snap.meta, "next_step": {"step": next_step.step, **next_step.read()}}
-        self._ram_commit(snap)
-        return None
 
     def _guarded_params(self) -> set[int]:
         return {

@@ -4,7 +4,7 @@ and the optimizer step pre-hook do at every step, and how rarely anything more h
 Order of calls (training thread), for step N of a loop ``forward; backward; opt.step(); ...;
 mgr.step(N)``:
 
-1. ``opt.step()`` runs the pre-hook (``_before_optimizer_step``): the lazy snapshot's guard;
+1. ``opt.step()`` runs the pre-hook (``_before_optimizer_step``, :mod:`.prehook`): the lazy snapshot's guard;
    on an evaluation step (``Signals.due``) the gradient statistics, and, when the policy can
    save before the update (one process), the evaluation itself and ``policy.before_update``.
 2. ``mgr.step(N)``: the loss joins the window if an evaluation is near; an evaluation not taken
@@ -15,7 +15,8 @@ mgr.step(N)``:
    then the save, if any.
 
 Everything else of a step is a few comparisons. This is a mixin: the state it reads is the
-manager's, set up in its ``__init__``.
+manager's, set up in its ``__init__``. Where the saves are staged (prepared at a step) is
+:mod:`.staging`'s.
 """
 
 from __future__ import annotations
@@ -30,19 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from smartckpt_cli.config import Settings, parse_size
+from smartckpt_cli.config import Settings
 from smartckpt_cli.engine import heartbeat
-from smartckpt_cli.engine.budget import StagingPlan, encoder_reserve, encoding_for, plan_staging
 from smartckpt_cli.engine.cadence import StepClock
-from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal
-from smartckpt_cli.engine.pager import Pager
+from smartckpt_cli.engine.coordinator import NO, Coordinator, Proposal, Verdict
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
 from smartckpt_cli.engine.schedule import SaveSchedule
-from smartckpt_cli.engine.snapshot import Spec, Stager, staging_specs
 from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.trigger.memory import MemoryProbe
@@ -74,9 +72,6 @@ class StepPath:
     settings: Settings
     policy: Policy
     _precursor: bool
-    _pager: Pager | None
-    _budgeted: bool
-    _budget_line: str | None
     _signals: Signals
     _memory: MemoryProbe
     _clock: StepClock
@@ -90,16 +85,14 @@ class StepPath:
     _pre_reading: SignalReading | None
     _pre_hooks: int
     _pre_saved: tuple[SaveHandle, str] | None
-    _precursor_refused: set[str]  # reasons a save before the update was not taken (logged once each)
+    _precursor_refused: set[str]  # what is said once: a refused precursor, a failed evaluation
     _optimizers: list[Any]
     _objects: dict[str, tuple[str, Any]]
-    _lazy_snapshot: Any
     _stats: Any
     _stats_lock: threading.Lock
     _inflight: SaveHandle | None
     _preempt: PreemptionWatch
     _trace: TraceWriter
-    _stager: Stager
     _last_step: int
     _last_loss: torch.Tensor | float | None
     _last_reading: SignalReading | None
@@ -120,86 +113,14 @@ class StepPath:
     _ram_due: float
     _first_step_report: bool
     _save: Callable[..., SaveHandle]
-    _save_failed: Callable[[int, BaseException], str]
-    wait: Callable[[], Any]
     _preempted: Callable[[int, int, StepResult], StepResult]
-
-    def _before_optimizer_step(self, optimizer: Any, *_: Any) -> None:
-        # The lazy snapshot's guard: parameters and moments may only change once copied.
-        snap = self._lazy_snapshot
-        if snap is not None:
-            snap.guard()
-            if snap.copied.is_set():
-                self._lazy_snapshot = None
-        step = self._last_step + 1
-        if step == self._check.step and optimizer is self._optimizers[0]:
-            self._check.grads(optimizer)  # the step after a save or a restore (resumecheck.py)
-        if step < self._next_eval or not self._signals.due(step):
-            return  # a step that does not evaluate: nothing else to do here
-        # Gradient statistics for the evaluation, reduced on the device.
-        t0 = time.monotonic()
-        self._signals.collect_grads(optimizer, self._loss_scale())
-        self._pre_hooks += 1
-        self._eval_cost += time.monotonic() - t0
-        # After the last optimizer's statistics: evaluate here, before any update runs, when
-        # the policy can save before it. Several ranks evaluate in step(): rank 0 decides for all
-        # at a decision step, and no collective may run in a hook.
-        if self._coord.hooks_may_save and self._precursor and self._pre_hooks == len(self._optimizers):
-            try:
-                self._before_update(step)
-                if step == self._check.step:  # it saved: the expectation is this step's
-                    self._check.grads(self._optimizers[0])
-            except Exception as err:  # never break the user's optimizer.step()
-                self._save_failed(self._last_step, err)
+    _prepare_staging: Callable[[], None]  # staging.py
 
     def _launch(self, step: int) -> None:
         """Start the evaluation of ``step``: the memory ceiling read on the host, the signals'
         one readback."""
         sample = self._memory.read()
         self._signals.launch(step, memory=sample.fraction if sample is not None else None)
-
-    def _before_update(self, step: int) -> None:
-        """The evaluation of ``step`` and the policy's save before the update: the checkpoint of
-        the previous step, whose parameters and moments are untouched. The reading is needed
-        now: on CUDA this waits for the readback (the backward and the reductions queued before
-        it), once per evaluation — the precursor's one host sync."""
-        t0 = time.monotonic()
-        self._launch(step)
-        t1 = time.monotonic()
-        reading = self._pre_reading = self._signals.poll(wait=True)
-        t2 = time.monotonic()
-        ask = getattr(self.policy, "before_update", None)
-        if ask is None or reading is None:
-            return
-        decision: Decision = ask(self._context(step, reading))
-        self._eval_cost += (t1 - t0) + (time.monotonic() - t2)  # the wait is not its cost
-        if not decision.save:
-            return
-        busy = self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
-        prev = self._last_step
-        objects = self._boundary.objects(self._objects) if self._boundary.step == prev else None
-        if objects is None or busy:
-            why = self._boundary.why_not if objects is None else None
-            if why is not None and why not in self._precursor_refused:
-                self._precursor_refused.add(why)
-                logger.warning(
-                    "no save before the update of step %d: %s; the alarm is taken at the step boundary",
-                    step,
-                    why,
-                )
-            return  # the alarm stays pending: step() takes it, after the update
-        self._last_reading = reading
-        handle = self._save(prev, decision, lazy=False, objects=objects)
-        self._pre_saved = (handle, decision.reason)
-        logger.info("step %d: saved before the update of step %d (%s)", prev, step, decision.reason)
-
-    def _loss_scale(self) -> torch.Tensor | None:
-        """The current scale of a registered, enabled GradScaler (a device tensor: no sync)."""
-        for kind, obj in self._objects.values():
-            if kind == "state" and isinstance(obj, torch.amp.GradScaler) and obj.is_enabled():
-                scale = getattr(obj, "_scale", None)
-                return scale if isinstance(scale, torch.Tensor) else None
-        return None
 
     def step(
         self,
@@ -257,8 +178,7 @@ class StepPath:
     ) -> StepResult:
         """``step()`` where something may happen (an evaluation, its loss window, a signal, a
         decision step, a policy that may save, a heartbeat due)."""
-        sig = self._signals
-        sig.step_time = self._clock.tick(now, step)
+        self._signals.step_time = self._clock.tick(now, step)
         self._last_step = step
         if self._first_step_report:  # the first step after a restore: a recovery's last phase
             self._first_step_report = False
@@ -270,20 +190,58 @@ class StepPath:
         reading, self._pre_reading = self._pre_reading, None
         pre_saved, self._pre_saved = self._pre_saved, None
         self._pre_hooks = 0
-        if loss is not None:
-            # detached: the caller's reference alone decides when its graph goes, as without us
-            self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
-            if sig.keeps_loss(step):
-                sig.add_loss(loss if loss_scale is None else loss / loss_scale)
+        self._keep_loss(step, loss, loss_scale)
         if self._prepare:
             self._prepare_staging()
         if reading is None:
-            if sig.due(step):
-                t0 = time.monotonic()
-                self._launch(step)
-                self._eval_cost += time.monotonic() - t0
-            if sig.pending:  # CPU: at once; CUDA: once its event has passed, a later step
-                reading = sig.poll()
+            reading = self._evaluate(step)
+        self._beat(step, reading)
+        self._arm_next(step, can_save)
+        result = StepResult()
+        if pre_saved is not None:
+            result.saved, result.handle, result.reason = True, pre_saved[0], pre_saved[1]
+        decision = self._decide(step, reading, pre_saved, now)
+        verdict = self._agree(step, decision, can_save, now)
+        decision, signum, self._wish = verdict.decision, verdict.signum, verdict.wish
+        if verdict.agreed:
+            self._signals.agreed = verdict.spacing  # rank 0's evaluation spacing, from the next launch on
+        if verdict.skipped:
+            with self._stats_lock:
+                self._stats.skipped.append(step)
+        if signum is not None:
+            self._preempt.take()
+            return self._preempted(step, signum, result)
+        if decision.save:
+            result.handle = self._save(step, decision, lazy=bool(self._optimizers))
+            result.saved, result.reason = result.handle.error is None, decision.reason
+        elif verdict.ram:  # the RAM tier's cadence, apart from the disk's (ramtier.py)
+            self._save(step, Decision(True, "ram"), lazy=bool(self._optimizers), ram_only=True)
+        with self._stats_lock:
+            result.failures = len(self._stats.failures)
+            result.last_error = self._stats.failures[-1] if self._stats.failures else None
+        self._calm_after(step)
+        return result
+
+    def _keep_loss(self, step: int, loss: Any, loss_scale: Any) -> None:
+        if loss is not None:
+            # detached: the caller's reference alone decides when its graph goes, as without us
+            self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+            if self._signals.keeps_loss(step):
+                self._signals.add_loss(loss if loss_scale is None else loss / loss_scale)
+
+    def _evaluate(self, step: int) -> SignalReading | None:
+        """The evaluation the pre-hook did not take: launched when due, read back when ready."""
+        sig = self._signals
+        reading = None
+        if sig.due(step):
+            t0 = time.monotonic()
+            self._launch(step)
+            self._eval_cost += time.monotonic() - t0
+        if sig.pending:  # CPU: at once; CUDA: once its event has passed, a later step
+            reading = sig.poll()
+        return reading
+
+    def _beat(self, step: int, reading: SignalReading | None) -> None:
         # Under `smartckpt run`: a heartbeat (the loss only when this step read it back anyway).
         if self.heartbeat:
             heartbeat.beat(
@@ -299,17 +257,28 @@ class StepPath:
                 committed_step=self._schedule.committed_step(),
             )
             self._beating = False
-        due_next = sig.due(step + 1)
-        sig.arm(due_next)
+
+    def _arm_next(self, step: int, can_save: bool) -> None:
+        """Arm the next step's evaluation; its pre-hook may save this step, so the boundary is
+        captured now, while this step's state is still the one a precursor would save."""
+        due_next = self._signals.due(step + 1)
+        self._signals.arm(due_next)
         if due_next and can_save and self._coord.hooks_may_save and self._optimizers and self._precursor:
             t0 = time.monotonic()
             self._boundary.capture(step, self._objects)
             self._eval_cost += time.monotonic() - t0
         elif self._boundary.step is not None:
             self._boundary.clear()
-        result = StepResult()
-        if pre_saved is not None:
-            result.saved, result.handle, result.reason = True, pre_saved[0], pre_saved[1]
+
+    def _decide(
+        self,
+        step: int,
+        reading: SignalReading | None,
+        pre_saved: tuple[SaveHandle, str] | None,
+        now: float,
+    ) -> Decision:
+        """This rank's wish, asking the policy only when something may have changed its mind
+        (cadence.py); an evaluation's reading goes to the trace with its cost."""
         decision = NO
         if (
             reading is not None
@@ -335,8 +304,11 @@ class StepPath:
             if reading is not None:
                 reason = decision.reason if decision.save else pre_saved[1] if pre_saved else ""
                 self._trace.add(reading, decision.score, reason)
-                sig.charge(self._eval_cost + time.monotonic() - t0)
+                self._signals.charge(self._eval_cost + time.monotonic() - t0)
                 self._eval_cost = 0.0
+        return decision
+
+    def _agree(self, step: int, decision: Decision, can_save: bool, now: float) -> Verdict:
         # One process: at once. Several ranks: rank 0's trigger decides for all at the agreed
         # decision steps; any rank's preemption signal makes every rank take the blocking save.
         # Several ranks agree only at decision steps: the next one lands on the step the RAM
@@ -345,7 +317,7 @@ class StepPath:
         if math.isfinite(self._ram_due) and self._clock.seconds > 0.0:
             ahead = max(1, math.ceil((self._ram_due - now) / self._clock.seconds))
             quiet_step = min(quiet_step, float(step + ahead))
-        verdict = self._coord.agree_to_save(
+        return self._coord.agree_to_save(
             Proposal(
                 step,
                 decision,
@@ -355,29 +327,10 @@ class StepPath:
                 self._preempt.pending,
                 self._clock.seconds,
                 quiet_step,
-                sig.own_spacing(),
+                self._signals.own_spacing(),
                 now >= self._ram_due and not (self._inflight is not None and not self._inflight.done()),
             )
         )
-        decision, signum, self._wish = verdict.decision, verdict.signum, verdict.wish
-        if verdict.agreed:
-            sig.agreed = verdict.spacing  # rank 0's evaluation spacing, from the next launch on
-        if verdict.skipped:
-            with self._stats_lock:
-                self._stats.skipped.append(step)
-        if signum is not None:
-            self._preempt.take()
-            return self._preempted(step, signum, result)
-        if decision.save:
-            result.handle = self._save(step, decision, lazy=bool(self._optimizers))
-            result.saved, result.reason = result.handle.error is None, decision.reason
-        elif verdict.ram:  # the RAM tier's cadence, apart from the disk's (ramtier.py)
-            self._save(step, Decision(True, "ram"), lazy=bool(self._optimizers), ram_only=True)
-        with self._stats_lock:
-            result.failures = len(self._stats.failures)
-            result.last_error = self._stats.failures[-1] if self._stats.failures else None
-        self._calm_after(step)
-        return result
 
     def _take_check(self, step: int, loss: Any, loss_scale: Any) -> None:
         """The resume check's values of ``step`` when it is armed for it; what to do with them
@@ -456,60 +409,6 @@ class StepPath:
             # the step call comes up to a step later (zero-code: the next pre-hook)
             return time.monotonic() + 2.0 * self._clock.seconds >= min(self._quiet[1], self._ram_due)
         return True
-
-    def _prepare_staging(self) -> None:
-        """Staging buffers for the first save, made in the background (snapshot.py)."""
-        self._prepare = False
-        try:
-            specs = staging_specs(self._objects, precision=self.settings.precision, rules=self.settings.tiers)
-        except Exception as err:  # the save allocates what it needs, as before
-            logger.debug("staging not prepared: %s", err)
-            return
-        plan = self._plan_budget(specs)
-        if plan.piece is not None:
-            return  # a save in pieces: one buffer of a piece's size, made by the first save (pager.py)
-        # With the RAM tier the staging buffers are its slots, in shared memory (ramtier.py).
-        # The slot's pages are faulted in at normal priority: the first RAM snapshot waits for
-        # them (staging beside the slot would hold a second copy of the state), and at nice 10
-        # behind a busy training loop that took past the first save (first_save.py --ram).
-        if self._ram is not None and self._ram.plan(specs, nice=0, count=plan.slots):
-            if not math.isfinite(self._ram_due):
-                self._ram_due = time.monotonic() + self._ram.interval()
-            return
-        self._stager.prepare(specs, nice=self.settings.background_nice)
-
-    def _plan_budget(self, specs: list[Spec]) -> StagingPlan:
-        """What ``memory_budget`` allows for a state of ``specs`` (engine/budget.py): the RAM
-        slots, or a save in pieces; said once when it changes how saves run."""
-        s = self.settings
-        state = sum(sp.shape.numel() * torch.empty((), dtype=sp.dtype).element_size() for sp in specs)
-        # the encoders' scratch sized to the state (a small state's would be larger than the state)
-        chunk, workers = encoding_for(state, chunk=s.chunk_mb << 20, workers=s.n_workers)
-        if (chunk, workers) != (self._persister.chunk_bytes, self._persister.workers):
-            self.wait()  # between saves
-            self._persister.tune(chunk, workers)
-            if self._ram is not None:
-                self._ram.chunk_bytes = chunk  # the RAM tier's hashes are the writer's chunks
-        plan = plan_staging(
-            state,
-            budget=parse_size(s.memory_budget) if s.memory_budget else None,
-            reserve=encoder_reserve(workers, chunk),
-            chunk=chunk,
-            ram=self._ram is not None and self._ram.active,
-            slots=s.ram_slots,
-        )
-        self._budgeted = True
-        if plan.line is not None and plan.line != self._budget_line:
-            logger.warning("smartckpt: %s", plan.line)
-        self._budget_line = plan.line
-        if plan.piece is None:
-            self._pager = None
-        else:
-            if self._ram is not None:
-                self._ram.active = False  # said in the plan's line
-            if self._pager is None or self._pager.piece != plan.piece:
-                self._pager = Pager(plan.piece, chunk)
-        return plan
 
     def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
         now = self._schedule.view()  # one consistent reading: the save thread updates it
