@@ -65,7 +65,8 @@ def inspect(
     names), or a directory with run records of smartckpt run but no checkpoint, 2 bad input
     (not a store, no such step).
     """
-    from smartckpt_cli.ops.catalog import describe, list_checkpoints
+    from smartckpt_cli.ops.catalog import list_checkpoints
+    from smartckpt_cli.ops.detail import describe
 
     store = open_checkpoints(directory, meta_dir)
     if step is not None:
@@ -236,7 +237,7 @@ def _remote_line(v: dict[str, object]) -> str:
 
 
 def _render_detail(detail: object) -> None:
-    from smartckpt_cli.ops.catalog import ManifestDetail
+    from smartckpt_cli.ops.detail import ManifestDetail
 
     assert isinstance(detail, ManifestDetail)
     r = detail.row
