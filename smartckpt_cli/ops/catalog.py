@@ -214,72 +214,34 @@ def _verifications(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def list_checkpoints(store: StoreDir) -> Catalog:
-    found = store.survey()
-    blocking = found.blocking
-    if blocking is not None:  # nothing in the journal to list: the one line is the answer
-        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
-    lost = [f.line(str(store.root), store.repair_command()) for f in found.findings]
+    lost = _lost(store)
     state, events = store.journal.read_events(consistent=True)
     checked = _verifications(events)
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
     lines, line_of = lineages(state.records)
-    manifests: dict[str, dict[str, Any]] = {}
-    problems: dict[str, str] = {}
-    for rec in records:
-        if rec.pruned:
-            continue
-        try:
-            manifests[rec.id] = read_manifest(store.storage, rec, state.store_id)
-        except CheckpointCorrupt as err:
-            problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
-        except OSError as err:
-            problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
+    manifests, problems = _read_manifests(store, records, state.store_id)
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    # After the manifests: a checkpoint the restore target passes over adds its problem here.
     target_id = _restore_target(store, state.records, problems, sizes, checked)
     blob_checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:
             users[bid] = users.get(bid, 0) + 1
-    rows = []
-    for rec in records:
-        m = manifests.get(rec.id, {})
-        blobs = sizes.get(rec.id, {})
-        total = sum(blobs.values())
-        unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
-        ver = checked.get(rec.id)
-        meta = m.get("meta", {})
-        n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
-        checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
-        rows.append(
-            Row(
-                step=rec.step,
-                id=rec.id,
-                state=_state(rec),
-                utc=meta.get("utc"),
-                reason=rec.reason,
-                score=rec.score,
-                health=rec.health,
-                tiers=sorted({str(e.get("tier")) for e in m.get("entries", {}).values()}),
-                precision=_precision(m) if m else "",
-                bytes_total=total,
-                bytes_unique=unique,
-                bytes_shared=total - unique,
-                bytes_written=rec.bytes_new,
-                verified="never" if ver is None else "ok" if ver.get("ok") else "corrupt",
-                verified_utc=None if ver is None else ver.get("utc"),
-                verified_problem=None if ver is None else ver.get("problem"),
-                restore_target=rec.id == target_id,
-                manifest_problem=problems.get(rec.id),
-                world_size=world_size(rec),
-                sharded=n_sharded,
-                sharding=sharding,
-                blobs_checked_utc=checked_utc,
-                blobs_checked_how=checked_how,
-                lineage=rec.event.get("lineage"),
-                line=line_of.get(rec.id, "A"),
-            )
+    rows = [
+        _row(
+            rec,
+            manifests.get(rec.id, {}),
+            sizes.get(rec.id, {}),
+            users,
+            checked.get(rec.id),
+            blob_checks,
+            restore_target=rec.id == target_id,
+            problem=problems.get(rec.id),
+            line=line_of.get(rec.id, "A"),
         )
+        for rec in records
+    ]
     checks = _events(events, "resume_check")
     return Catalog(
         state.store_id,
@@ -291,6 +253,83 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         _events(events, "checkpointing_off"),
         _open_io_errors(events),
         lost,
+    )
+
+
+def _lost(store: StoreDir) -> list[str]:
+    """One line per cause of checkpoints the journal lost; a journal that cannot be read at all
+    raises instead, since there is then nothing to list and that one line is the answer."""
+    found = store.survey()
+    blocking = found.blocking
+    if blocking is not None:
+        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
+    return [f.line(str(store.root), store.repair_command()) for f in found.findings]
+
+
+def _read_manifests(
+    store: StoreDir, records: list[CheckpointRecord], store_id: str | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The manifests of the unpruned ``records`` by checkpoint id, and why each of the others
+    does not read (a damaged checkpoint is listed with its problem, not left out)."""
+    manifests: dict[str, dict[str, Any]] = {}
+    problems: dict[str, str] = {}
+    for rec in records:
+        if rec.pruned:
+            continue
+        try:
+            manifests[rec.id] = read_manifest(store.storage, rec, store_id)
+        except CheckpointCorrupt as err:
+            problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
+        except OSError as err:
+            problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
+    return manifests, problems
+
+
+def _row(
+    rec: CheckpointRecord,
+    m: dict[str, Any],
+    blobs: dict[str, int],
+    users: dict[str, int],
+    ver: dict[str, Any] | None,
+    blob_checks: _BlobChecks,
+    *,
+    restore_target: bool,
+    problem: str | None,
+    line: str,
+) -> Row:
+    """One checkpoint's row from its manifest ``m`` (empty when it does not read), its blobs'
+    sizes, how many checkpoints use each blob, and its last verification ``ver``."""
+    total = sum(blobs.values())
+    unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
+    meta = m.get("meta", {})
+    n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
+    checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
+    return Row(
+        step=rec.step,
+        id=rec.id,
+        state=_state(rec),
+        utc=meta.get("utc"),
+        reason=rec.reason,
+        score=rec.score,
+        health=rec.health,
+        tiers=sorted({str(e.get("tier")) for e in m.get("entries", {}).values()}),
+        precision=_precision(m) if m else "",
+        bytes_total=total,
+        bytes_unique=unique,
+        bytes_shared=total - unique,
+        bytes_written=rec.bytes_new,
+        verified="never" if ver is None else "ok" if ver.get("ok") else "corrupt",
+        verified_utc=None if ver is None else ver.get("utc"),
+        verified_problem=None if ver is None else ver.get("problem"),
+        restore_target=restore_target,
+        manifest_problem=problem,
+        world_size=world_size(rec),
+        sharded=n_sharded,
+        sharding=sharding,
+        blobs_checked_utc=checked_utc,
+        blobs_checked_how=checked_how,
+        lineage=rec.event.get("lineage"),
+        line=line,
     )
 
 
