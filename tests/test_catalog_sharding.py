@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 import smartckpt_cli as sc
 from smartckpt_cli.cli.app import app
-from smartckpt_cli.ops.catalog import EntryRow, ManifestDetail, Row, dtensor_nodes, sharding_summary
+from smartckpt_cli.ops.catalog import Row, dtensor_nodes, sharding_summary
+from smartckpt_cli.ops.detail import EntryRow, ManifestDetail
 
 runner = CliRunner()
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,6 +19,12 @@ from smartckpt_cli.cli._shared import (
     say,
 )
 from smartckpt_cli.cli.fit import Column, table_width
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from smartckpt_cli.ops.catalog import Catalog, Row
+    from smartckpt_cli.ops.detail import EntryRow, ManifestDetail
 
 __all__ = ["inspect"]
 
@@ -65,21 +72,46 @@ def inspect(
     names), or a directory with run records of smartckpt run but no checkpoint, 2 bad input
     (not a store, no such step).
     """
-    from smartckpt_cli.ops.catalog import describe, list_checkpoints
+    from smartckpt_cli.ops.catalog import list_checkpoints
+    from smartckpt_cli.ops.detail import describe
 
     store = open_checkpoints(directory, meta_dir)
     if step is not None:
-        detail = describe(store, step)
-        if as_json:
-            typer.echo(json.dumps(detail.to_json(), indent=2))
-            return
-        _render_detail(detail)
+        _show_detail(describe(store, step), as_json)
         return
     catalog = list_checkpoints(store)
     remote_view = _remote_view(store, remote)
     if as_json:
         typer.echo(json.dumps({**catalog.to_json(), "remote": remote_view}, indent=2))
         return
+    _render_catalog(directory, catalog, remote_view)
+
+
+def _render_catalog(directory: Path, catalog: Catalog, remote_view: dict[str, object] | None) -> None:
+    """The table, then one line per thing an operator should know: lineages, resume checks,
+    journal problems, failures, the remote's lag, damage; exit 1 for checkpoints the journal lost."""
+    _print_table(directory, catalog)
+    if not catalog.rows and not catalog.unjournalled:
+        say("no checkpoint committed yet")
+    if len(catalog.lineages) > 1:
+        _say_lineages(catalog)
+    for c in catalog.resume_checks:
+        say(_check_line(c, catalog))
+    _say_troubles(catalog)
+    if remote_view is not None:
+        say(_remote_line(remote_view))
+    damaged = [r for r in catalog.rows if r.manifest_problem and r.state != "pruned"]
+    for r in damaged:
+        say(f"step {r.step} ({r.id}) is damaged: {r.manifest_problem}", error=True)
+    if damaged and not any(r.restore_target for r in catalog.rows):
+        say("no live checkpoint is known sound: a resume would begin at step 0", error=True)
+    for line in catalog.unjournalled:
+        say(line, error=True)
+    if catalog.unjournalled:
+        raise typer.Exit(1)  # checkpoints the journal lost: not a sound store
+
+
+def _print_table(directory: Path, catalog: Catalog) -> None:
     console = out()
     several = len(catalog.lineages) > 1
     columns = [
@@ -98,57 +130,57 @@ def inspect(
         Column("blobs checked", drop=9),
         Column("state", drop=1),
     ]
-
-    def rows(short_time: bool) -> list[list[str]]:
-        cells = []
-        for r in catalog.rows:
-            reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
-            on_disk = r.state != "pruned" and r.manifest_problem is None
-            utc = (r.utc or "-").replace("T", " ").rstrip("Z")
-            cells.append(
-                [
-                    ">" if r.restore_target else "",
-                    *((r.line,) if several else ()),
-                    str(r.step),
-                    utc[5:16] if short_time and r.utc else utc,
-                    reason or "-",
-                    r.health if r.manifest_problem is None else "DAMAGED",
-                    str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
-                    "+".join(r.tiers) if on_disk else "-",
-                    r.precision if on_disk else "-",
-                    human(r.bytes_unique) if on_disk else "-",
-                    human(r.bytes_shared) if on_disk else "-",
-                    {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified],
-                    _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
-                    r.state,
-                ]
-            )
-        return cells
-
     # On a narrow terminal the time loses its year and seconds before a column is left out.
-    full = rows(short_time=False)
+    full = [_row_cells(r, several, short_time=False) for r in catalog.rows]
     cells = (
-        full if table_width(columns, full, range(len(columns))) <= console.width else rows(short_time=True)
+        full
+        if table_width(columns, full, range(len(columns))) <= console.width
+        else [_row_cells(r, several, short_time=True) for r in catalog.rows]
     )
     table, left_out = fitted_table(f"checkpoints in {directory}", columns, cells, console)
     console.print(table)
     if left_out:
         say(left_out)
-    if not catalog.rows and not catalog.unjournalled:
-        say("no checkpoint committed yet")
-    if several:
-        newest = max(catalog.rows, key=lambda r: r.restore_target).line if catalog.rows else "?"
-        for ln in catalog.lineages:
-            say(
-                f"lineage {ln.line}: {ln.checkpoints} checkpoint(s), steps {ln.first_step}..{ln.last_step}"
-                + (" (a resume loads this one)" if ln.line == newest else "")
-            )
+
+
+def _row_cells(r: Row, several: bool, *, short_time: bool) -> list[str]:
+    """One checkpoint's cells; ``several``: with the lineage column."""
+    reason = r.reason + (f" {r.score:.2f}" if isinstance(r.score, int | float) else "")
+    on_disk = r.state != "pruned" and r.manifest_problem is None
+    utc = (r.utc or "-").replace("T", " ").rstrip("Z")
+    return [
+        ">" if r.restore_target else "",
+        *((r.line,) if several else ()),
+        str(r.step),
+        utc[5:16] if short_time and r.utc else utc,
+        reason or "-",
+        r.health if r.manifest_problem is None else "DAMAGED",
+        str(r.world_size) + (f" {r.sharding}" if on_disk and r.sharded else ""),
+        "+".join(r.tiers) if on_disk else "-",
+        r.precision if on_disk else "-",
+        human(r.bytes_unique) if on_disk else "-",
+        human(r.bytes_shared) if on_disk else "-",
+        {"ok": "ok", "corrupt": "CORRUPT", "never": "-"}[r.verified],
+        _checked_cell(r.blobs_checked_utc, r.blobs_checked_how) if on_disk else "-",
+        r.state,
+    ]
+
+
+def _say_lineages(catalog: Catalog) -> None:
+    newest = max(catalog.rows, key=lambda r: r.restore_target).line if catalog.rows else "?"
+    for ln in catalog.lineages:
         say(
-            "each lineage is a training that began at step 0 (a restart of a script that does not call "
-            "start_step() begins again); a resume never falls back from one lineage into another"
+            f"lineage {ln.line}: {ln.checkpoints} checkpoint(s), steps {ln.first_step}..{ln.last_step}"
+            + (" (a resume loads this one)" if ln.line == newest else "")
         )
-    for c in catalog.resume_checks:
-        say(_check_line(c, catalog))
+    say(
+        "each lineage is a training that began at step 0 (a restart of a script that does not call "
+        "start_step() begins again); a resume never falls back from one lineage into another"
+    )
+
+
+def _say_troubles(catalog: Catalog) -> None:
+    """What the journal says went wrong while the store was written, on stderr."""
     for p in catalog.journal_problems:
         say(f"warning: journal: {p}", error=True)
     if catalog.failures:
@@ -162,17 +194,6 @@ def inspect(
         )
     for io in catalog.io_errors:
         say(f"writing the {io.get('what')} failed ({io.get('utc', '?')}): {io.get('error', '?')}", error=True)
-    if remote_view is not None:
-        say(_remote_line(remote_view))
-    damaged = [r for r in catalog.rows if r.manifest_problem and r.state != "pruned"]
-    for r in damaged:
-        say(f"step {r.step} ({r.id}) is damaged: {r.manifest_problem}", error=True)
-    if damaged and not any(r.restore_target for r in catalog.rows):
-        say("no live checkpoint is known sound: a resume would begin at step 0", error=True)
-    for line in catalog.unjournalled:
-        say(line, error=True)
-    if catalog.unjournalled:
-        raise typer.Exit(1)  # checkpoints the journal lost: not a sound store
 
 
 def _checked_cell(utc: str | None, how: str | None) -> str:
@@ -235,12 +256,41 @@ def _remote_line(v: dict[str, object]) -> str:
     return line
 
 
+def _show_detail(detail: ManifestDetail, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(detail.to_json(), indent=2))
+        return
+    _render_detail(detail)
+
+
 def _render_detail(detail: object) -> None:
-    from smartckpt_cli.ops.catalog import ManifestDetail
+    from smartckpt_cli.ops.detail import ManifestDetail
 
     assert isinstance(detail, ManifestDetail)
-    r = detail.row
     console = out()
+    _print_detail_head(detail, console)
+    columns = [
+        Column("tensor", fold=True),
+        Column("tier", drop=5),
+        Column("dtype", drop=3),
+        Column("shape", drop=1),
+        Column("stored as", drop=6),
+        Column("chunks", "right", drop=7),
+        Column("raw", "right", drop=4),
+        Column("on disk", "right", drop=2),
+    ]
+    cells = [_entry_cells(e) for e in detail.entries]
+    table, left_out = fitted_table(None, columns, cells, console)
+    console.print(table)
+    if left_out:
+        console.print(left_out, markup=False)
+    if detail.not_stored:
+        console.print(f"not stored (L4): {', '.join(detail.not_stored)}", markup=False)
+
+
+def _print_detail_head(detail: ManifestDetail, console: Console) -> None:
+    """The lines above the tensors: the checkpoint, its bytes and checks, objects, sharding, host."""
+    r = detail.row
     console.print(
         f"step {r.step} ({r.id}), {r.state}, health {r.health}, saved {r.utc or '?'}, reason "
         f"{r.reason or '-'}" + (f" (score {r.score:.3f})" if isinstance(r.score, int | float) else ""),
@@ -272,39 +322,22 @@ def _render_detail(detail: object) -> None:
             + ", ".join(f"{k} {v}" for k, v in versions.items()),
             markup=False,
         )
-    columns = [
-        Column("tensor", fold=True),
-        Column("tier", drop=5),
-        Column("dtype", drop=3),
-        Column("shape", drop=1),
-        Column("stored as", drop=6),
-        Column("chunks", "right", drop=7),
-        Column("raw", "right", drop=4),
-        Column("on disk", "right", drop=2),
+
+
+def _entry_cells(e: EntryRow) -> list[str]:
+    stored = e.stored_dtype + ("" if e.transform == "none" else f" ({e.transform})")
+    if e.patched:
+        stored += f" +{e.patched} exact"
+    return [
+        e.key,
+        e.tier,
+        e.dtype,
+        _shape(e.shape) + (f" of {_shape(e.global_shape)}" if e.global_shape is not None else ""),
+        stored,
+        str(e.chunks),
+        human(e.bytes_raw),
+        human(e.bytes_stored),
     ]
-    cells = []
-    for e in detail.entries:
-        stored = e.stored_dtype + ("" if e.transform == "none" else f" ({e.transform})")
-        if e.patched:
-            stored += f" +{e.patched} exact"
-        cells.append(
-            [
-                e.key,
-                e.tier,
-                e.dtype,
-                _shape(e.shape) + (f" of {_shape(e.global_shape)}" if e.global_shape is not None else ""),
-                stored,
-                str(e.chunks),
-                human(e.bytes_raw),
-                human(e.bytes_stored),
-            ]
-        )
-    table, left_out = fitted_table(None, columns, cells, console)
-    console.print(table)
-    if left_out:
-        console.print(left_out, markup=False)
-    if detail.not_stored:
-        console.print(f"not stored (L4): {', '.join(detail.not_stored)}", markup=False)
 
 
 def _shape(shape: list[int]) -> str:

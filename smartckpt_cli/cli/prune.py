@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, progress_bar, say
+
+if TYPE_CHECKING:
+    from smartckpt_cli.ops.prune import PruneResult
+    from smartckpt_cli.remote.check import PrunePlan as RemotePlan
 
 __all__ = ["prune"]
 
@@ -64,33 +68,40 @@ def prune(
     writer = active_writer(store)
     with progress_bar("verifying the newest checkpoint") as progress:
         result = carry_out(store, keep, dry_run=dry_run, lock_timeout=wait, progress=progress)
-    plan = result.plan
     remote_plan = _prune_remote(store, remote, keep, dry_run) if remote is not None else None
     if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "dry_run": result.dry_run,
-                    "kept": [{"step": r.step, "id": r.id} for r in plan.keep],
-                    "removed": [{"step": r.step, "id": r.id} for r in plan.remove],
-                    "newest_verified": {"step": result.newest_verified.step, "id": result.newest_verified.id}
-                    if result.newest_verified
-                    else None,
-                    "bytes_freed": result.bytes_freed,
-                    "passed_over": result.unverified,
-                    "writer": writer,
-                    "remote": None
-                    if remote_plan is None
-                    else {
-                        "kept": [r.step for r in remote_plan.keep],
-                        "removed": [r.step for r in remote_plan.remove],
-                        "blobs_removed": remote_plan.blobs_removed,
-                    },
-                },
-                indent=2,
-            )
-        )
+        typer.echo(json.dumps(_result_json(result, writer, remote_plan), indent=2))
         return
+    _say_result(result, keep, writer, remote_plan, dry_run)
+
+
+def _result_json(result: PruneResult, writer: str | None, remote_plan: RemotePlan | None) -> dict[str, Any]:
+    plan = result.plan
+    return {
+        "dry_run": result.dry_run,
+        "kept": [{"step": r.step, "id": r.id} for r in plan.keep],
+        "removed": [{"step": r.step, "id": r.id} for r in plan.remove],
+        "newest_verified": {"step": result.newest_verified.step, "id": result.newest_verified.id}
+        if result.newest_verified
+        else None,
+        "bytes_freed": result.bytes_freed,
+        "passed_over": result.unverified,
+        "writer": writer,
+        "remote": None
+        if remote_plan is None
+        else {
+            "kept": [r.step for r in remote_plan.keep],
+            "removed": [r.step for r in remote_plan.remove],
+            "blobs_removed": remote_plan.blobs_removed,
+        },
+    }
+
+
+def _say_result(
+    result: PruneResult, keep: int, writer: str | None, remote_plan: RemotePlan | None, dry_run: bool
+) -> None:
+    """What was kept and removed (or would be, with --dry-run), locally then remotely."""
+    plan = result.plan
     for line in result.unverified:
         say(f"not verified, not counted as the newest good one: {line}", error=True)
     nv = result.newest_verified

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, say
+
+if TYPE_CHECKING:
+    from smartckpt_cli.ops.rollback import RollbackPlan
+    from smartckpt_cli.store.directory import StoreDir
+    from smartckpt_cli.store.journal import CheckpointRecord
 
 __all__ = ["rollback"]
 
@@ -39,24 +45,41 @@ def rollback(
          written
       2  bad input: not a store, no such step, nothing to roll back or undo
     """
-    from smartckpt_cli.errors import CheckpointCorrupt
     from smartckpt_cli.ops.catalog import active_writer
     from smartckpt_cli.ops.rollback import plan_rollback
-    from smartckpt_cli.ops.verify import verify
     from smartckpt_cli.store.directory import open_store
 
     store = open_store(directory, meta_dir)
     state, events = store.journal.read_events(consistent=True)
     plan = plan_rollback(state.records, events, to_step=to, to_prev=to_prev, undo=undo)
     if plan.target is not None:
-        report = verify(store, step=plan.target.step)
-        bad = [r for r in report.results if r.id == plan.target.id and not r.ok]
-        if bad:
-            raise CheckpointCorrupt(
-                f"step {plan.target.step} ({plan.target.id}) does not verify, not rolling back to it: "
-                f"{bad[0].problem}"
-            )
+        _refuse_corrupt_target(store, plan.target)
     store.journal.append(plan.event)
+    _say_done(directory, plan)
+    writer = active_writer(store)
+    if writer:
+        say(
+            f"warning: a run is writing this store ({writer}); checkpoints it commits from now on "
+            "are live and newer, so stop it before resuming from the rollback",
+            error=True,
+        )
+
+
+def _refuse_corrupt_target(store: StoreDir, target: CheckpointRecord) -> None:
+    """A resume would skip a target that does not verify (a restore passes over a damaged
+    checkpoint), so the rollback would not do what was asked: refused before the journal line."""
+    from smartckpt_cli.errors import CheckpointCorrupt
+    from smartckpt_cli.ops.verify import verify
+
+    report = verify(store, step=target.step)
+    bad = [r for r in report.results if r.id == target.id and not r.ok]
+    if bad:
+        raise CheckpointCorrupt(
+            f"step {target.step} ({target.id}) does not verify, not rolling back to it: {bad[0].problem}"
+        )
+
+
+def _say_done(directory: Path, plan: RollbackPlan) -> None:
     if plan.target is not None:
         steps = ", ".join(str(r.step) for r in plan.hidden)
         say(f"rolled back to step {plan.target.step} ({plan.target.id}); rolled back: steps {steps}")
@@ -66,10 +89,3 @@ def rollback(
     else:
         steps = ", ".join(str(r.step) for r in plan.restored) or "none"
         say(f"rollback undone; live again: steps {steps}")
-    writer = active_writer(store)
-    if writer:
-        say(
-            f"warning: a run is writing this store ({writer}); checkpoints it commits from now on "
-            "are live and newer, so stop it before resuming from the rollback",
-            error=True,
-        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,29 +19,41 @@ from smartckpt_cli.cli._shared import (
     say,
 )
 
+if TYPE_CHECKING:
+    from smartckpt_cli.ops.verify import VerifyReport
+    from smartckpt_cli.remote.check import RemoteCheck
+
 __all__ = ["verify"]
+
+# The options as types of their own, so that the command's signature stays one screen with its help.
+_StepOpt = Annotated[int | None, typer.Option("--step", help="Verify the checkpoint(s) of this step.")]
+_AllOpt = Annotated[bool, typer.Option("--all", help="Verify every live checkpoint.")]
+_JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+_WorkersOpt = Annotated[
+    int, typer.Option("--workers", min=0, help="Hashing threads (0: one per CPU, at least 4).")
+]
+_RecordOpt = Annotated[
+    bool,
+    typer.Option("--record/--no-record", help="Note the outcome in the journal, for inspect."),
+]
+_RepairOpt = Annotated[
+    bool,
+    typer.Option(
+        "--repair",
+        help="Rebuild the journal from the manifests no journal line names (those that verify), "
+        "then verify every live checkpoint.",
+    ),
+]
 
 
 def verify(
     directory: DirArg,
-    step: Annotated[int | None, typer.Option("--step", help="Verify the checkpoint(s) of this step.")] = None,
-    all_: Annotated[bool, typer.Option("--all", help="Verify every live checkpoint.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    workers: Annotated[
-        int, typer.Option("--workers", min=0, help="Hashing threads (0: one per CPU, at least 4).")
-    ] = 0,
-    record: Annotated[
-        bool,
-        typer.Option("--record/--no-record", help="Note the outcome in the journal, for inspect."),
-    ] = True,
-    repair: Annotated[
-        bool,
-        typer.Option(
-            "--repair",
-            help="Rebuild the journal from the manifests no journal line names (those that verify), "
-            "then verify every live checkpoint.",
-        ),
-    ] = False,
+    step: _StepOpt = None,
+    all_: _AllOpt = False,
+    as_json: _JsonOpt = False,
+    workers: _WorkersOpt = 0,
+    record: _RecordOpt = True,
+    repair: _RepairOpt = False,
     meta_dir: MetaDirOpt = None,
     remote: RemoteOpt = None,
 ) -> None:
@@ -83,6 +95,28 @@ def verify(
          records of smartckpt run but no checkpoint
       2  bad input: not a store, no such step, --step with --all
     """
+    report, all_ = _verify_here(directory, meta_dir, step, all_, workers, record=record, repair=repair)
+    remote_results = None if remote is None else _verify_remote(remote, step, all_, workers)
+    remote_ok = remote_results is None or all(r.ok for r in remote_results)
+    if as_json:
+        typer.echo(json.dumps(_report_json(report, remote_results), indent=2))
+    else:
+        _say_report(report, remote_results)
+    raise typer.Exit(0 if report.ok and remote_ok else 1)
+
+
+def _verify_here(
+    directory: Path,
+    meta_dir: Path | None,
+    step: int | None,
+    all_: bool,
+    workers: int,
+    *,
+    record: bool,
+    repair: bool,
+) -> tuple[VerifyReport, bool]:
+    """The local store verified (after --repair, when asked) and the outcome recorded; returns
+    the report and whether every live checkpoint was checked (--repair implies --all)."""
     from smartckpt_cli.errors import UsageError
     from smartckpt_cli.ops.verify import record_results
     from smartckpt_cli.ops.verify import verify as run_verify
@@ -99,52 +133,51 @@ def verify(
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
     if record:
         record_results(store, report)
-    remote_results = None
-    if remote is not None:
-        from smartckpt_cli.remote.check import connect, verify_remote
+    return report, all_
 
-        rem, _, rstate = connect(remote)
-        remote_results = verify_remote(rem, rstate, step=step, all_checkpoints=all_, workers=max(workers, 4))
-    remote_ok = remote_results is None or all(r.ok for r in remote_results)
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "ok": report.ok,
-                    "results": [
-                        {k: v for k, v in r.__dict__.items() if k != "problem"} for r in report.results
-                    ],
-                    "journal_problems": report.journal_problems,
-                    "unjournalled": report.unjournalled,
-                    "bytes_checked": report.bytes_checked,
-                    "seconds": round(report.seconds, 3),
-                    "remote": None if remote_results is None else [r.__dict__ for r in remote_results],
-                },
-                indent=2,
-            )
+
+def _verify_remote(url: str, step: int | None, all_: bool, workers: int) -> list[RemoteCheck]:
+    """The same checkpoints checked on the remote side (its commit, manifest and every blob)."""
+    from smartckpt_cli.remote.check import connect, verify_remote
+
+    rem, _, rstate = connect(url)
+    return verify_remote(rem, rstate, step=step, all_checkpoints=all_, workers=max(workers, 4))
+
+
+def _report_json(report: VerifyReport, remote_results: list[RemoteCheck] | None) -> dict[str, object]:
+    return {
+        "ok": report.ok,
+        "results": [{k: v for k, v in r.__dict__.items() if k != "problem"} for r in report.results],
+        "journal_problems": report.journal_problems,
+        "unjournalled": report.unjournalled,
+        "bytes_checked": report.bytes_checked,
+        "seconds": round(report.seconds, 3),
+        "remote": None if remote_results is None else [r.__dict__ for r in remote_results],
+    }
+
+
+def _say_report(report: VerifyReport, remote_results: list[RemoteCheck] | None) -> None:
+    """One line per checkpoint checked, locally then remotely, and each journal problem."""
+    for r in report.results:
+        # Plain lines, never wrapped: operators grep them for blob ids.
+        state = r.note if r.note else "ok" if r.ok else f"CORRUPT: {r.problem}"
+        say(f"step {r.step} ({r.id}): {state}{_parts_said(r.ranks_checked, r.ranks_elsewhere)}")
+    for p in report.journal_problems:
+        say(f"journal: {p}")
+    for line in report.unjournalled:
+        say(line)
+    for rr in remote_results or []:
+        say(f"remote step {rr.step} ({rr.id}): " + ("ok" if rr.ok else f"CORRUPT: {rr.problem}"))
+    if remote_results == []:
+        say("remote: no checkpoint to verify")
+    if not report.results and not report.unjournalled:
+        say("no checkpoint to verify")
+    elif report.seconds > 0 and sys.stderr.isatty():
+        rate = report.bytes_checked / report.seconds
+        say(
+            f"checked {human(report.bytes_checked)} in {report.seconds:.2f} s ({human(rate)}/s)",
+            error=True,
         )
-    else:
-        for r in report.results:
-            # Plain lines, never wrapped: operators grep them for blob ids.
-            state = r.note if r.note else "ok" if r.ok else f"CORRUPT: {r.problem}"
-            say(f"step {r.step} ({r.id}): {state}{_parts_said(r.ranks_checked, r.ranks_elsewhere)}")
-        for p in report.journal_problems:
-            say(f"journal: {p}")
-        for line in report.unjournalled:
-            say(line)
-        for rr in remote_results or []:
-            say(f"remote step {rr.step} ({rr.id}): " + ("ok" if rr.ok else f"CORRUPT: {rr.problem}"))
-        if remote_results == []:
-            say("remote: no checkpoint to verify")
-        if not report.results and not report.unjournalled:
-            say("no checkpoint to verify")
-        elif report.seconds > 0 and sys.stderr.isatty():
-            rate = report.bytes_checked / report.seconds
-            say(
-                f"checked {human(report.bytes_checked)} in {report.seconds:.2f} s ({human(rate)}/s)",
-                error=True,
-            )
-    raise typer.Exit(0 if report.ok and remote_ok else 1)
 
 
 def _open_for_repair(directory: Path, meta_dir: Path | None) -> object:

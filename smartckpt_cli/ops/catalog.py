@@ -1,4 +1,5 @@
-"""What a store holds, for ``smartckpt inspect``: one row per checkpoint, or one manifest in detail.
+"""What a store holds, for ``smartckpt inspect``: one row per checkpoint (one manifest in
+detail: ``ops/detail.py``).
 
 Everything comes from the journal (what exists, in which order, pruned or rolled back, last
 verification) and the manifests (tiers, precision, chunk sizes); no blob is read. Bytes are the
@@ -13,13 +14,12 @@ are rank 0's part.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from smartckpt_cli.errors import CheckpointCorrupt, StoreDamagedError, UsageError
+from smartckpt_cli.errors import CheckpointCorrupt, StoreDamagedError
 from smartckpt_cli.store.checkpoints import candidates, read_manifest
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
@@ -28,13 +28,10 @@ from smartckpt_cli.store.scrub import ScrubBook
 
 __all__ = [
     "Catalog",
-    "EntryRow",
     "Lineage",
-    "ManifestDetail",
     "Row",
     "active_writer",
     "blob_sizes",
-    "describe",
     "dtensor_nodes",
     "lineages",
     "list_checkpoints",
@@ -217,72 +214,34 @@ def _verifications(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def list_checkpoints(store: StoreDir) -> Catalog:
-    found = store.survey()
-    blocking = found.blocking
-    if blocking is not None:  # nothing in the journal to list: the one line is the answer
-        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
-    lost = [f.line(str(store.root), store.repair_command()) for f in found.findings]
+    lost = _lost(store)
     state, events = store.journal.read_events(consistent=True)
     checked = _verifications(events)
     records = sorted(state.records, key=lambda r: r.position, reverse=True)
     lines, line_of = lineages(state.records)
-    manifests: dict[str, dict[str, Any]] = {}
-    problems: dict[str, str] = {}
-    for rec in records:
-        if rec.pruned:
-            continue
-        try:
-            manifests[rec.id] = read_manifest(store.storage, rec, state.store_id)
-        except CheckpointCorrupt as err:
-            problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
-        except OSError as err:
-            problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
+    manifests, problems = _read_manifests(store, records, state.store_id)
     sizes = {cid: blob_sizes(m) for cid, m in manifests.items()}
+    # After the manifests: a checkpoint the restore target passes over adds its problem here.
     target_id = _restore_target(store, state.records, problems, sizes, checked)
     blob_checks = _BlobChecks(store)
     users: dict[str, int] = {}
     for blobs in sizes.values():
         for bid in blobs:
             users[bid] = users.get(bid, 0) + 1
-    rows = []
-    for rec in records:
-        m = manifests.get(rec.id, {})
-        blobs = sizes.get(rec.id, {})
-        total = sum(blobs.values())
-        unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
-        ver = checked.get(rec.id)
-        meta = m.get("meta", {})
-        n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
-        checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
-        rows.append(
-            Row(
-                step=rec.step,
-                id=rec.id,
-                state=_state(rec),
-                utc=meta.get("utc"),
-                reason=rec.reason,
-                score=rec.score,
-                health=rec.health,
-                tiers=sorted({str(e.get("tier")) for e in m.get("entries", {}).values()}),
-                precision=_precision(m) if m else "",
-                bytes_total=total,
-                bytes_unique=unique,
-                bytes_shared=total - unique,
-                bytes_written=rec.bytes_new,
-                verified="never" if ver is None else "ok" if ver.get("ok") else "corrupt",
-                verified_utc=None if ver is None else ver.get("utc"),
-                verified_problem=None if ver is None else ver.get("problem"),
-                restore_target=rec.id == target_id,
-                manifest_problem=problems.get(rec.id),
-                world_size=world_size(rec),
-                sharded=n_sharded,
-                sharding=sharding,
-                blobs_checked_utc=checked_utc,
-                blobs_checked_how=checked_how,
-                lineage=rec.event.get("lineage"),
-                line=line_of.get(rec.id, "A"),
-            )
+    rows = [
+        _row(
+            rec,
+            manifests.get(rec.id, {}),
+            sizes.get(rec.id, {}),
+            users,
+            checked.get(rec.id),
+            blob_checks,
+            restore_target=rec.id == target_id,
+            problem=problems.get(rec.id),
+            line=line_of.get(rec.id, "A"),
         )
+        for rec in records
+    ]
     checks = _events(events, "resume_check")
     return Catalog(
         state.store_id,
@@ -294,6 +253,83 @@ def list_checkpoints(store: StoreDir) -> Catalog:
         _events(events, "checkpointing_off"),
         _open_io_errors(events),
         lost,
+    )
+
+
+def _lost(store: StoreDir) -> list[str]:
+    """One line per cause of checkpoints the journal lost; a journal that cannot be read at all
+    raises instead, since there is then nothing to list and that one line is the answer."""
+    found = store.survey()
+    blocking = found.blocking
+    if blocking is not None:
+        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
+    return [f.line(str(store.root), store.repair_command()) for f in found.findings]
+
+
+def _read_manifests(
+    store: StoreDir, records: list[CheckpointRecord], store_id: str | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """The manifests of the unpruned ``records`` by checkpoint id, and why each of the others
+    does not read (a damaged checkpoint is listed with its problem, not left out)."""
+    manifests: dict[str, dict[str, Any]] = {}
+    problems: dict[str, str] = {}
+    for rec in records:
+        if rec.pruned:
+            continue
+        try:
+            manifests[rec.id] = read_manifest(store.storage, rec, store_id)
+        except CheckpointCorrupt as err:
+            problems[rec.id] = str(err).removeprefix(f"step {rec.step}: ")
+        except OSError as err:
+            problems[rec.id] = f"manifest {rec.manifest} is unreadable: {err.strerror}"
+    return manifests, problems
+
+
+def _row(
+    rec: CheckpointRecord,
+    m: dict[str, Any],
+    blobs: dict[str, int],
+    users: dict[str, int],
+    ver: dict[str, Any] | None,
+    blob_checks: _BlobChecks,
+    *,
+    restore_target: bool,
+    problem: str | None,
+    line: str,
+) -> Row:
+    """One checkpoint's row from its manifest ``m`` (empty when it does not read), its blobs'
+    sizes, how many checkpoints use each blob, and its last verification ``ver``."""
+    total = sum(blobs.values())
+    unique = sum(n for bid, n in blobs.items() if users[bid] == 1)
+    meta = m.get("meta", {})
+    n_sharded, sharding = sharding_summary(dtensor_nodes(m)) if m else (0, "?")
+    checked_utc, checked_how = blob_checks.oldest(list(blobs)) if blobs else (None, None)
+    return Row(
+        step=rec.step,
+        id=rec.id,
+        state=_state(rec),
+        utc=meta.get("utc"),
+        reason=rec.reason,
+        score=rec.score,
+        health=rec.health,
+        tiers=sorted({str(e.get("tier")) for e in m.get("entries", {}).values()}),
+        precision=_precision(m) if m else "",
+        bytes_total=total,
+        bytes_unique=unique,
+        bytes_shared=total - unique,
+        bytes_written=rec.bytes_new,
+        verified="never" if ver is None else "ok" if ver.get("ok") else "corrupt",
+        verified_utc=None if ver is None else ver.get("utc"),
+        verified_problem=None if ver is None else ver.get("problem"),
+        restore_target=restore_target,
+        manifest_problem=problem,
+        world_size=world_size(rec),
+        sharded=n_sharded,
+        sharding=sharding,
+        blobs_checked_utc=checked_utc,
+        blobs_checked_how=checked_how,
+        lineage=rec.event.get("lineage"),
+        line=line,
     )
 
 
@@ -373,126 +409,6 @@ class _BlobChecks:
             return None, None
         when, how = min(found)
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when)), how
-
-
-@dataclass
-class EntryRow:
-    key: str
-    tier: str
-    dtype: str
-    shape: list[int]
-    stored_dtype: str
-    transform: str
-    chunks: int
-    bytes_raw: int
-    bytes_stored: int  # encoded, on disk
-    patched: int  # values stored exactly beside a reduced-precision tensor
-    global_shape: list[int] | None = None  # a DTensor's whole shape (``shape`` is rank 0's shard)
-    placements: list[str] | None = None  # a DTensor's placements: ["S0"] = Shard(0), ["R"]
-
-
-@dataclass
-class ManifestDetail:
-    row: Row
-    manifest_path: str
-    meta: dict[str, Any]
-    objects: dict[str, str]  # name -> kind
-    entries: list[EntryRow]
-    not_stored: list[str]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.row.to_json(),
-            "manifest": self.manifest_path,
-            "world_size": self.row.world_size,
-            "sharded": self.row.sharded,
-            "restorable_at_any_world_size": self.any_world_size,
-            "meta": self.meta,
-            "objects": self.objects,
-            "entries": [asdict(e) for e in self.entries],
-            "not_stored": self.not_stored,
-        }
-
-    @property
-    def any_world_size(self) -> bool:
-        """Whether an elastic restore can carry it to another world size: every DTensor on a
-        1-D mesh, ``Shard(d)`` or ``Replicate`` (what ``engine/reshard.py`` reshards)."""
-        return all(
-            len(e.placements) == 1 and (e.placements[0] == "R" or _shard_dim(e.placements[0]) is not None)
-            for e in self.entries
-            if e.placements is not None
-        )
-
-    def sharding_line(self) -> str | None:
-        """``world size 2: 12 tensors sharded (Shard(0)), shapes below are rank 0's shard;
-        restorable at any world size``; None for a single-process checkpoint without DTensors."""
-        r = self.row
-        sharded = [e for e in self.entries if e.placements is not None and _is_sharded(e.placements)]
-        if r.world_size == 1 and not sharded:
-            return None
-        line = f"world size {r.world_size}: "
-        if sharded:
-            kinds = sorted({", ".join(_placement_name(p) for p in e.placements or []) for e in sharded})
-            line += f"{len(sharded)} tensors sharded ({'; '.join(kinds)}), shapes below are rank 0's shard"
-        else:
-            line += "no tensor sharded, every rank holds whole tensors (shapes below are rank 0's)"
-        line += (
-            "; restorable at any world size"
-            if self.any_world_size
-            else "; restorable at this world size only (a DTensor not on a 1-D mesh of Shard/Replicate)"
-        )
-        return line
-
-
-def _shard_dim(p: str) -> int | None:
-    return int(p[1:]) if p.startswith("S") and p[1:].isdigit() else None
-
-
-def _placement_name(p: str) -> str:
-    if p == "R":
-        return "Replicate"
-    dim = _shard_dim(p)
-    return p if dim is None else f"Shard({dim})"
-
-
-def describe(store: StoreDir, step: int) -> ManifestDetail:
-    """The newest unpruned checkpoint of ``step``, tensor by tensor."""
-    catalog = list_checkpoints(store)
-    rows = [r for r in catalog.rows if r.step == step]
-    if not rows:
-        steps = ", ".join(str(r.step) for r in catalog.rows if r.state != "pruned") or "none"
-        raise UsageError(f"no checkpoint of step {step} in this store (steps: {steps})")
-    row = next((r for r in rows if r.state != "pruned"), rows[0])
-    if row.state == "pruned":
-        raise UsageError(f"step {step} was pruned; its manifest is gone")
-    state = store.journal.read()
-    rec = next(r for r in state.records if r.id == row.id)
-    manifest = read_manifest(store.storage, rec, state.store_id)
-    dts = dtensor_nodes(manifest)
-    entries = []
-    for key, e in manifest.get("entries", {}).items():
-        chunks = list((e.get("data") or {}).get("chunks", []))
-        patch = e.get("patch") or {}
-        chunks += list(patch.get("chunks", []))
-        entries.append(
-            EntryRow(
-                key=key,
-                tier=str(e.get("tier")),
-                dtype=str(e.get("dtype")),
-                shape=[int(n) for n in e.get("shape", [])],
-                stored_dtype=str(e.get("stored_dtype")),
-                transform=str((e.get("transform") or {}).get("kind", "none")),
-                chunks=len(chunks),
-                bytes_raw=sum(int(c[2]) for c in chunks),
-                bytes_stored=sum(int(c[4]) for c in chunks),
-                patched=int(patch.get("n", 0)),
-                global_shape=dts[key][0] if key in dts else None,
-                placements=dts[key][1] if key in dts else None,
-            )
-        )
-    objects = {name: str(o.get("kind")) for name, o in manifest.get("objects", {}).items()}
-    meta = json.loads(json.dumps(manifest.get("meta", {})))
-    return ManifestDetail(row, rec.manifest, meta, objects, entries, list(manifest.get("not_stored", [])))
 
 
 def active_writer(store: StoreDir) -> str | None:

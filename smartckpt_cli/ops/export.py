@@ -128,6 +128,28 @@ def export(
     weights_only: bool = False,
     force: bool = False,
 ) -> ExportResult:
+    _refuse_bad_args(out, fmt, force)
+    rec, store_id, loaded = _load_chosen(store, step)
+    state, missing = build_state(loaded.manifest, loaded.tensors, weights_only=weights_only)
+    if weights_only and not state:
+        raise UsageError(f"step {rec.step} holds no model (nn.Module) to export with --weights-only")
+    meta = {"step": rec.step, "id": rec.id, "store_id": store_id, "utc": loaded.manifest["meta"].get("utc")}
+    world = part_count(rec)
+    if world > 1:
+        meta["world_size"] = world  # the ranks that wrote it; the file holds whole tensors
+    single = weights_only and len(state) == 1
+    payload: Any = next(iter(state.values())) if single else state
+    if fmt == "torch":
+        data = _torch_bytes(payload if single else {**state, "smartckpt": meta})
+    else:
+        data = _safetensors_bytes(payload, meta, single)
+    _write_atomically(out, data)
+    n_tensors = sum(1 for _ in _tensors_of(payload))
+    return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing, world)
+
+
+def _refuse_bad_args(out: Path, fmt: str, force: bool) -> None:
+    """Bad input is refused before anything is read: a checkpoint may take minutes to load."""
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if out.exists() and (out.is_dir() or not force):
@@ -145,6 +167,11 @@ def export(
             raise UsageError(
                 "--format safetensors needs the safetensors package (pip install safetensors)"
             ) from None
+
+
+def _load_chosen(store: StoreDir, step: int | None) -> tuple[Any, str | None, Loaded]:
+    """The checkpoint to export (``step``'s, else the newest live one), read and verified, with
+    the store id."""
     for attempt in range(3):
         rec, store_id = _pick(store, step)
         try:
@@ -162,19 +189,12 @@ def export(
                 raise UsageError(
                     f"step {rec.step} was pruned by the running job while being exported"
                 ) from None
-    state, missing = build_state(loaded.manifest, loaded.tensors, weights_only=weights_only)
-    if weights_only and not state:
-        raise UsageError(f"step {rec.step} holds no model (nn.Module) to export with --weights-only")
-    meta = {"step": rec.step, "id": rec.id, "store_id": store_id, "utc": loaded.manifest["meta"].get("utc")}
-    world = part_count(rec)
-    if world > 1:
-        meta["world_size"] = world  # the ranks that wrote it; the file holds whole tensors
-    single = weights_only and len(state) == 1
-    payload: Any = next(iter(state.values())) if single else state
-    if fmt == "torch":
-        data = _torch_bytes(payload if single else {**state, "smartckpt": meta})
-    else:
-        data = _safetensors_bytes(payload, meta, single)
+    return rec, store_id, loaded
+
+
+def _write_atomically(out: Path, data: bytes) -> None:
+    """A temporary name, fsynced, then renamed: ``out`` is never seen half-written, and an
+    existing file stays whole until the new one replaces it."""
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -185,8 +205,6 @@ def export(
     finally:
         if tmp.exists():
             tmp.unlink()
-    n_tensors = sum(1 for _ in _tensors_of(payload))
-    return ExportResult(out, rec.step, rec.id, fmt, list(state), n_tensors, len(data), missing, world)
 
 
 def _damaged_newest(store: StoreDir, rec: Any, err: CheckpointCorrupt) -> str:

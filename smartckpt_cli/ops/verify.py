@@ -229,32 +229,70 @@ def check(
     result each with its problems (``ok`` is set by the caller), the encoded bytes read, and
     the blobs found sound."""
     results = [VerifyResult(r.step, r.id, True) for r in chosen]
-    users: dict[_Task, list[tuple[int, str, str]]] = {}  # task -> (result index, tier, key)
-    sizes: dict[_Task, int] = {}
+    uses = _Uses()
     here = store.dir_id()
     for i, rec in enumerate(chosen):
         for rank, part in _parts(store, rec, here, results[i]):
-            prefix = "" if rank is None else f"rank {rank}: "
-            try:
-                manifest = read_manifest(store.storage, part, store_id)
-            except CheckpointCorrupt as err:
-                results[i].problems.append(prefix + str(err).removeprefix(f"step {rec.step}: "))
-                continue
-            except OSError as err:
-                results[i].problems.append(f"{prefix}manifest {part.manifest} is unreadable: {err.strerror}")
-                continue
-            entries = manifest.get("entries")
-            if not isinstance(entries, dict):
-                results[i].problems.append(f"{prefix}manifest {part.manifest} has no entries")
-                continue
-            for key, entry in entries.items():
-                tasks, problems = _entry_tasks(key, entry)
-                tier = entry.get("tier", "?") if isinstance(entry, dict) else "?"
-                results[i].problems.extend(f"{prefix}{tier} {p}" for p in problems)
-                for task, enc_len in tasks:
-                    results[i].bytes += enc_len
-                    users.setdefault(task, []).append((i, f"{prefix}{tier}", key))
-                    sizes[task] = enc_len
+            _add_manifest(store, rec, rank, part, store_id, i, results[i], uses)
+    checked, sound = _check_chunks(store, uses, results, workers, progress)
+    return results, checked, sound
+
+
+@dataclass
+class _Uses:
+    """Every distinct chunk check of the checkpoints being verified: who uses it (result index,
+    tier, key) and its encoded size."""
+
+    users: dict[_Task, list[tuple[int, str, str]]] = field(default_factory=dict)
+    sizes: dict[_Task, int] = field(default_factory=dict)
+
+
+def _add_manifest(
+    store: StoreDir,
+    rec: CheckpointRecord,
+    rank: int | None,
+    part: CheckpointRecord,
+    store_id: str | None,
+    i: int,
+    result: VerifyResult,
+    uses: _Uses,
+) -> None:
+    """Read one manifest (``part``: rank ``rank``'s of a multi-rank ``rec``, or ``rec``'s own)
+    into ``result`` (result ``i``)'s problems and bytes, and its chunk checks into ``uses``, so
+    that a chunk many checkpoints share is read once."""
+    prefix = "" if rank is None else f"rank {rank}: "
+    try:
+        manifest = read_manifest(store.storage, part, store_id)
+    except CheckpointCorrupt as err:
+        result.problems.append(prefix + str(err).removeprefix(f"step {rec.step}: "))
+        return
+    except OSError as err:
+        result.problems.append(f"{prefix}manifest {part.manifest} is unreadable: {err.strerror}")
+        return
+    entries = manifest.get("entries")
+    if not isinstance(entries, dict):
+        result.problems.append(f"{prefix}manifest {part.manifest} has no entries")
+        return
+    for key, entry in entries.items():
+        tasks, problems = _entry_tasks(key, entry)
+        tier = entry.get("tier", "?") if isinstance(entry, dict) else "?"
+        result.problems.extend(f"{prefix}{tier} {p}" for p in problems)
+        for task, enc_len in tasks:
+            result.bytes += enc_len
+            uses.users.setdefault(task, []).append((i, f"{prefix}{tier}", key))
+            uses.sizes[task] = enc_len
+
+
+def _check_chunks(
+    store: StoreDir,
+    uses: _Uses,
+    results: list[VerifyResult],
+    workers: int,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[int, list[str]]:
+    """Run every chunk check on the pool; a failed one is a problem of each result that uses
+    it (once per result). Returns the encoded bytes read and the blobs found sound."""
+    users, sizes = uses.users, uses.sizes
     total = sum(sizes.values())
     done = checked = 0
     checker = _Checker(store)
@@ -279,7 +317,7 @@ def check(
                 if i not in seen:
                     seen.add(i)
                     results[i].problems.append(f"{tier} entry {key}: {problem}")
-    return results, checked, sound
+    return checked, sound
 
 
 def _parts(
