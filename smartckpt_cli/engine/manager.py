@@ -51,12 +51,13 @@ from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restore import Loaded, same_lineage
 from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
+from smartckpt_cli.engine.runmeta import base_meta
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
-from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import NoCheckpointError
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.apply import apply_checkpoint
