@@ -55,13 +55,14 @@ from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restoring import RestorePath
 from smartckpt_cli.engine.resumecheck import ResumeCheck
+from smartckpt_cli.engine.runmeta import base_meta
 from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.staging import StagingPrep
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
-from smartckpt_cli.engine.writer import CommitInfo, Persister, base_meta
+from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState

@@ -94,14 +94,7 @@ def persist_distributed(
     collects its disk's garbage). Raises :class:`NotCommitted` (or this rank's own write error)
     when nothing was committed."""
     t0 = time.perf_counter()
-    hashes: list[str] | None = None
-    try:
-        snap.wait_ready()
-        digests = p.pool.map(lambda it: _digest(it, snap.ram_hashes, p.chunk_bytes), snap.items)
-        hashes = [entry_hash(i.plan.key, d) for i, d in zip(snap.items, digests, strict=True)]
-    except Exception as err:  # still take part in the exchange: the other ranks must not wait
-        logger.error("step %d: staging this rank's state failed: %s", snap.step, err)
-    heard = comm.to_root({"hashes": hashes, "dir": dir_id}, commit=True)
+    heard = comm.to_root({"hashes": _entry_hashes(p, snap), "dir": dir_id}, commit=True)
     plan = comm.from_root(_plans(heard) if heard is not None else None, commit=True)
     if plan.get("lost"):
         raise NotCommitted(
@@ -109,32 +102,11 @@ def persist_distributed(
         )
     cid = plan["cid"]
     refs = {int(i): int(owner) for i, owner in plan["refs"]}
-    own = [item for i, item in enumerate(snap.items) if i not in refs]
     rel = part_rel(snap.step, cid, comm.rank)
-    error: BaseException | None = None
-    written: Written | None = None
-    manifest_bytes = b""
     # Taken after the plan: a rank collecting garbage (exclusive) finishes before any rank can be
     # inside this save waiting on an exchange while holding the lock shared.
     with hold_gc():
-        try:
-            fault_fail("rank.write")
-            written = p.write_entries(snap, own)
-            for i, owner in refs.items():
-                item = snap.items[i]
-                written.entries[item.plan.key] = {"tier": item.plan.tier, "ref": owner}
-            manifest_bytes = p.write_manifest(
-                snap, cid, rel, written, extra={"rank": comm.rank, "world_size": comm.world}
-            )
-            verdict: dict[str, Any] = {
-                "ok": True,
-                "part": [rel, codec.blob_id(manifest_bytes), dir_id],
-                "bytes": [written.bytes_new, written.bytes_total],
-                "health": written.health,
-            }
-        except Exception as err:
-            error = err
-            verdict = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
+        written, manifest_bytes, verdict, error = _write_part(p, snap, refs, cid, rel, comm, dir_id)
         verdicts = comm.to_root(verdict, commit=True)
         outcome: dict[str, Any] | None = None
         if verdicts is not None:  # rank 0
@@ -161,6 +133,46 @@ def persist_distributed(
         tuple(written.restage),
     )
     return info, bool(plan["gc"])
+
+
+def _entry_hashes(p: Persister, snap: Snapshot) -> list[str] | None:
+    """This rank's message of step 1: one short hash per entry; None when staging its state
+    failed (said here: the rank still takes part in the exchange, the other ranks must not wait)."""
+    try:
+        snap.wait_ready()
+        digests = p.pool.map(lambda it: _digest(it, snap.ram_hashes, p.chunk_bytes), snap.items)
+        return [entry_hash(i.plan.key, d) for i, d in zip(snap.items, digests, strict=True)]
+    except Exception as err:  # still take part in the exchange: the other ranks must not wait
+        logger.error("step %d: staging this rank's state failed: %s", snap.step, err)
+        return None
+
+
+def _write_part(
+    p: Persister, snap: Snapshot, refs: dict[int, int], cid: str, rel: str, comm: Comm, dir_id: str
+) -> tuple[Written | None, bytes, dict[str, Any], BaseException | None]:
+    """Step 2: this rank's blobs and part manifest durable, the entries a lower rank holds
+    recorded as ``{"ref": owner}``. Returns what was written, the manifest's bytes, the verdict
+    for rank 0, and the error: raised only after the exchanges, which every rank makes."""
+    written: Written | None = None
+    manifest_bytes = b""
+    try:
+        fault_fail("rank.write")
+        written = p.write_entries(snap, [item for i, item in enumerate(snap.items) if i not in refs])
+        for i, owner in refs.items():
+            item = snap.items[i]
+            written.entries[item.plan.key] = {"tier": item.plan.tier, "ref": owner}
+        manifest_bytes = p.write_manifest(
+            snap, cid, rel, written, extra={"rank": comm.rank, "world_size": comm.world}
+        )
+        verdict: dict[str, Any] = {
+            "ok": True,
+            "part": [rel, codec.blob_id(manifest_bytes), dir_id],
+            "bytes": [written.bytes_new, written.bytes_total],
+            "health": written.health,
+        }
+    except Exception as err:
+        return written, manifest_bytes, {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}, err
+    return written, manifest_bytes, verdict, None
 
 
 def _plans(heard: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ of calls (the manager's):
    read: the snapshot goes to private buffers, freed again by the next snapshot into the slot;
    the RAM tier skips it);
 4. save thread, once the snapshot's copies are done: :meth:`commit` hashes every chunk, checks
-   the weights are finite and writes the record: the RAM snapshot exists; :meth:`end` unlocks;
+   the weights are finite and writes the record (its content: ``engine/ramrecord.py``): the RAM
+   snapshot exists; :meth:`end` unlocks;
 5. :meth:`load` on restore (training thread): the record's slot re-hashed, every chunk, then
    read in place (no decode); ``None`` with one line naming what failed, and the restore goes on
    to the disk.
@@ -33,7 +34,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
@@ -44,12 +44,11 @@ import torch
 
 from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.engine.hostmem import pin_region, unpin_region
+from smartckpt_cli.engine.ramrecord import copy_out, loaded_from, new_record, record_entries, snapshot_health
 from smartckpt_cli.engine.snapshot import Snapshot, Spec
 from smartckpt_cli.state.apply import Loaded
-from smartckpt_cli.state.dtypes import all_finite, dtype_name, lookup
-from smartckpt_cli.state.precision import byte_view, tensor_bytes
+from smartckpt_cli.state.precision import tensor_bytes
 from smartckpt_cli.store import ramarea
-from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.names import RAM_SLOTS, ram_rank_dir
 
 __all__ = ["ENV_AREA", "ENV_BYTES", "RAM_FLOOR", "RAM_SHARE", "RamTier"]
@@ -284,50 +283,19 @@ class RamTier:
             pool.map(lambda it: ramarea.chunk_hashes(tensor_bytes(it.tensor), self.chunk_bytes), items)
         )
         snap.ram_hashes = {it.plan.key: h for it, h in zip(items, hashes, strict=True)}  # for the writer
-        health = snap.health
-        for tier, verdict in (("L1", "nonfinite-weights"), ("L2", "nonfinite-moments")):
-            if health == "ok" and not all(
-                pool.map(all_finite, [it.tensor for it in items if it.plan.tier == tier])
-            ):
-                health = verdict
-        entries = {
-            it.plan.key: {
-                "tier": it.plan.tier,
-                "dtype": dtype_name(it.dtype),
-                "shape": it.shape,
-                "offset": self.offsets[it.plan.key],
-                "nbytes": it.nbytes,
-                "chunks": h,
-            }
-            for it, h in zip(items, hashes, strict=True)
-        }
-        held = self.records.get(i, {}).get("entries", {})
-        for it in snap.items:
-            if it.tensor is None:  # unchanged, and in this slot already: its place and hashes
-                entry = held.get(it.plan.key)
-                if entry is None or entry["offset"] != self.offsets.get(it.plan.key):
-                    raise RuntimeError(f"{it.plan.key} is not in RAM slot {i} as referenced")
-                entries[it.plan.key] = entry
-        record = {
-            "store_id": self.store_id,
-            "id": uuid.uuid4().hex[:12],
-            "step": snap.step,
-            "slot": RAM_SLOTS[i],
-            "slot_size": self.size,
-            "chunk_bytes": self.chunk_bytes,
-            "time": time.time(),
-            "health": health,
-            "calm": snap.calm,
-            "reason": snap.reason,
-            "score": snap.score,
-            "rank": self.rank,
-            "world_size": self.world,
-            "pid": os.getpid(),
-            "objects": snap.objects,
-            "entries": entries,
-            "not_stored": snap.dropped,
-            "meta": snap.meta,
-        }
+        health = snapshot_health(snap, pool)
+        entries = record_entries(snap, hashes, self.offsets, self.records.get(i, {}).get("entries", {}), i)
+        record = new_record(
+            snap,
+            entries,
+            store_id=self.store_id,
+            slot=i,
+            slot_size=self.size,
+            chunk_bytes=self.chunk_bytes,
+            health=health,
+            rank=self.rank,
+            world=self.world,
+        )
         with self._record_lock:
             pending, self._next = self._next, None
             if pending is not None and pending.step == snap.step + 1 and "next_step" not in snap.meta:
@@ -438,51 +406,16 @@ class RamTier:
 
         Copied, not views of the slot: the slot is refilled by later snapshots, and an
         optimizer's ``load_state_dict`` keeps the tensors it is given (same dtype and device)."""
-        tensors = {
-            key: torch.empty(e["shape"], dtype=lookup(e["dtype"])) for key, e in rec["entries"].items()
-        }
-        flat = {key: byte_view(t) for key, t in tensors.items()}
-
-        def copy(key: str, at: int, chunk: memoryview) -> None:
-            flat[key][at : at + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-
-        with ramarea.reading(self.dir, rec["slot"]) as view:
-            bad = ramarea.verify(view, rec, copy, workers=self.workers)
-            if bad is not None:
-                logger.warning(
-                    "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk",
-                    rec["step"],
-                    bad,
-                )
-                return None
+        tensors, bad = copy_out(self.dir, rec, self.workers)
+        if bad is not None:
+            logger.warning(
+                "smartckpt: the RAM snapshot of step %d is damaged: %s; restoring from disk",
+                rec["step"],
+                bad,
+            )
+            return None
         self.last = rec
-        lineage = (rec.get("meta") or {}).get("lineage")
-        record = CheckpointRecord(
-            int(rec["step"]),
-            str(rec["id"]),
-            "",
-            "",
-            -1,
-            health=str(rec.get("health")),
-            reason="ram",
-            event={"lineage": lineage} if lineage else {},
-        )
-        manifest = {
-            "store_id": rec["store_id"],
-            "id": rec["id"],
-            "step": rec["step"],
-            "health": rec.get("health"),
-            "calm": rec.get("calm", True),
-            "meta": rec.get("meta") or {},
-            "objects": rec["objects"],
-            "entries": {
-                k: {"tier": e["tier"], "dtype": e["dtype"], "shape": e["shape"]}
-                for k, e in rec["entries"].items()
-            },
-            "not_stored": rec.get("not_stored") or [],
-            "restored_from": "ram",
-        }
-        return Loaded(record, manifest, tensors, set())
+        return loaded_from(rec, tensors)
 
 
 def _fault_in(buf: Any) -> None:

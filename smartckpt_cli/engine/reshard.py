@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -202,62 +203,97 @@ def load_resharded(
         dim = sharded_dim(key, placement[1]) if placement is not None else None
         if dim is None:
             if kinds.get(obj) == "optimizer" and old > 1 and key not in sharded:
-                for q in range(old):
-                    if not _same(entry, parts.entry(q, key)):
-                        raise StateMismatchError(
-                            f"{key} differs between old ranks {base} and {q}: optimizer state that is "
-                            "neither sharded nor the same on every rank cannot be carried to another "
-                            "world size"
-                        )
-            try:
-                tensors[key], nbytes = decode_entry(blobs, key, entry)
-            except (ValueError, KeyError, RuntimeError, OSError) as err:
-                fail(key, err)
-                continue
-            report.bytes_read += nbytes
-            report.bytes_stored += _encoded(entry)
-            report.replicated += 1
+                _refuse_unless_same(parts, key, entry, base)
+            whole = _read_replicated(blobs, key, entry, report, fail)
+            if whole is not None:
+                tensors[key] = whole
             continue
-        shape = placement[0] if placement is not None else []
-        length = shape[dim]
-        out_shape = list(entry["shape"])
-        lo, hi = chunk_range(length, world, rank)
-        out_shape[dim] = hi - lo
-        out = torch.empty(out_shape, dtype=_dtype(entry))
-        try:
-            for p in pieces(length, old, world, rank):
-                src = parts.entry(p.old_rank, key)
-                c, e = chunk_range(length, old, p.old_rank)
-                if int(src["shape"][dim]) != e - c:
-                    raise StateMismatchError(
-                        f"{key}: old rank {p.old_rank} holds {src['shape'][dim]} rows of dimension {dim} "
-                        f"where Shard({dim}) over {old} ranks gives {e - c}: not a layout this version "
-                        "can reshard"
-                    )
-                rows, nbytes = decode_rows(blobs, key, src, dim, p.src_start, p.src_stop)
-                out.narrow(dim, p.dst_start, p.src_stop - p.src_start).copy_(rows)
-                report.bytes_read += nbytes
-                report.parts_read.add(p.old_rank)
-        except (ValueError, KeyError, RuntimeError, OSError) as err:
-            fail(key, err)
-            continue
-        tensors[key] = out
-        entries[key] = {**entry, "shape": out_shape}
-        report.bytes_stored += sum(_encoded(parts.entry(q, key)) for q in range(old))
-        report.resharded += 1
+        assert placement is not None  # a dimension is only found in a placement
+        shard = _read_shard(blobs, parts, key, entry, placement[0], dim, world, rank, report, fail)
+        if shard is not None:
+            tensors[key], out_shape = shard
+            entries[key] = {**entry, "shape": out_shape}
 
     manifest["resharded_from"] = old  # apply: the data position and stateful loaders read it
     if rank >= old:
         _reseed(manifest, tensors, parts, record, rank, report)
     if "L2" in skipped:
         tensors = {k: t for k, t in tensors.items() if entries.get(k, {}).get("tier") != "L2"}
-    loaded = Loaded(
-        replace(record, manifest=parts.parts[base][0], manifest_hash=parts.parts[base][1]),
-        manifest,
-        tensors,
-        skipped,
-    )
-    return loaded, report
+    mine = replace(record, manifest=parts.parts[base][0], manifest_hash=parts.parts[base][1])
+    return Loaded(mine, manifest, tensors, skipped), report
+
+
+def _refuse_unless_same(parts: _Parts, key: str, entry: dict[str, Any], base: int) -> None:
+    """Optimizer state neither sharded nor per element (``step``, scalars) is carried only when
+    every old rank holds the same (compared by the manifests' hashes, nothing read)."""
+    for q in range(len(parts.parts)):
+        if not _same(entry, parts.entry(q, key)):
+            raise StateMismatchError(
+                f"{key} differs between old ranks {base} and {q}: optimizer state that is "
+                "neither sharded nor the same on every rank cannot be carried to another "
+                "world size"
+            )
+
+
+def _read_replicated(
+    blobs: BlobStore,
+    key: str,
+    entry: dict[str, Any],
+    report: ReshardReport,
+    fail: Callable[[str, Exception], None],
+) -> torch.Tensor | None:
+    """A replicated entry decoded whole from the base part; None when ``fail`` let it be skipped."""
+    try:
+        tensor, nbytes = decode_entry(blobs, key, entry)
+    except (ValueError, KeyError, RuntimeError, OSError) as err:
+        fail(key, err)
+        return None
+    report.bytes_read += nbytes
+    report.bytes_stored += _encoded(entry)
+    report.replicated += 1
+    return tensor
+
+
+def _read_shard(
+    blobs: BlobStore,
+    parts: _Parts,
+    key: str,
+    entry: dict[str, Any],
+    shape: list[int],
+    dim: int,
+    world: int,
+    rank: int,
+    report: ReshardReport,
+    fail: Callable[[str, Exception], None],
+) -> tuple[torch.Tensor, list[int]] | None:
+    """This rank's new shard of a ``Shard(dim)`` entry of global ``shape``, its rows copied from
+    the old shards that overlap it, and its shape; None when ``fail`` let it be skipped."""
+    old = len(parts.parts)
+    length = shape[dim]
+    out_shape = list(entry["shape"])
+    lo, hi = chunk_range(length, world, rank)
+    out_shape[dim] = hi - lo
+    out = torch.empty(out_shape, dtype=_dtype(entry))
+    try:
+        for p in pieces(length, old, world, rank):
+            src = parts.entry(p.old_rank, key)
+            c, e = chunk_range(length, old, p.old_rank)
+            if int(src["shape"][dim]) != e - c:
+                raise StateMismatchError(
+                    f"{key}: old rank {p.old_rank} holds {src['shape'][dim]} rows of dimension {dim} "
+                    f"where Shard({dim}) over {old} ranks gives {e - c}: not a layout this version "
+                    "can reshard"
+                )
+            rows, nbytes = decode_rows(blobs, key, src, dim, p.src_start, p.src_stop)
+            out.narrow(dim, p.dst_start, p.src_stop - p.src_start).copy_(rows)
+            report.bytes_read += nbytes
+            report.parts_read.add(p.old_rank)
+    except (ValueError, KeyError, RuntimeError, OSError) as err:
+        fail(key, err)
+        return None
+    report.bytes_stored += sum(_encoded(parts.entry(q, key)) for q in range(old))
+    report.resharded += 1
+    return out, out_shape
 
 
 def _encoded(entry: dict[str, Any]) -> int:

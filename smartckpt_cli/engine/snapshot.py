@@ -310,6 +310,39 @@ def take_snapshot(
     alone). ``pager``: a save in pieces (engine/pager.py): nothing is copied here, the writer
     copies the items a piece at a time."""
     stager.ready()
+    trees, dropped, found, plans = _plan_entries(objects, precision=precision, rules=rules)
+    # Referenced when unchanged: what no optimizer updates (frozen weights, buffers). A trained
+    # parameter or an optimizer's state changes at every step, and is never worth the doubt.
+    trained = trained if trained is not None else lazy_params or set()
+    candidates = {
+        key: (kind, t)
+        for key, (kind, t) in found.items()
+        if kind != "optimizer" and t.untyped_storage().data_ptr() not in trained
+    }
+    decided = unchanged.decide(candidates, plans, slot, ram_only=ram_only) if unchanged is not None else None
+    refs = decided.refs if decided is not None else None
+    items, lazy, any_cuda = _items(found, plans, refs, stager=stager, lazy_params=lazy_params, pager=pager)
+    # Private buffers are dropped once a snapshot fitted the RAM tier's slot whole (memory stays
+    # the slots' alone); else those of entries no longer in the state.
+    whole = (stager.slot is not None and not stager.missed) or pager is not None
+    stager.forget_except(set() if whole else {i.plan.key for i in items if i.tensor is not None})
+    ready, lazy_event = _start_device_copies(stager, lazy, any_cuda)
+    snap = Snapshot(step, reason, score, trees, items, meta, ready=ready, dropped=dropped, lazy=lazy)
+    snap.lazy_event, snap.pager = lazy_event, pager
+    if decided is not None:
+        snap.fingerprints = decided.fps
+        snap.verify = _verify_bytes(decided.verify, found)
+    if not lazy and pager is None:
+        snap.copied.set()
+    return snap
+
+
+def _plan_entries(
+    objects: dict[str, tuple[str, Any]], *, precision: str, rules: tuple[TierRule, ...]
+) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, tuple[str, torch.Tensor]], dict[str, EntryPlan]]:
+    """Every object's tree and every tensor's plan: (trees, the keys not stored, the stored
+    tensors by key with their object's kind, their plans). An optimizer's tree also records its
+    parameters' shapes, and only its moments are classified as moments."""
     trees: dict[str, dict[str, Any]] = {}
     dropped: list[str] = []
     found: dict[str, tuple[str, torch.Tensor]] = {}
@@ -337,22 +370,28 @@ def take_snapshot(
                 dropped.append(key)
                 continue
             found[key], plans[key] = (kind, t), plan
-    # Referenced when unchanged: what no optimizer updates (frozen weights, buffers). A trained
-    # parameter or an optimizer's state changes at every step, and is never worth the doubt.
-    trained = trained if trained is not None else lazy_params or set()
-    candidates = {
-        key: (kind, t)
-        for key, (kind, t) in found.items()
-        if kind != "optimizer" and t.untyped_storage().data_ptr() not in trained
-    }
-    decided = unchanged.decide(candidates, plans, slot, ram_only=ram_only) if unchanged is not None else None
+    return trees, dropped, found, plans
+
+
+def _items(
+    found: dict[str, tuple[str, torch.Tensor]],
+    plans: dict[str, EntryPlan],
+    refs: dict[str, dict[str, Any]] | None,
+    *,
+    stager: Stager,
+    lazy_params: set[int] | None,
+    pager: Any,
+) -> tuple[list[Item], list[tuple[torch.Tensor, torch.Tensor]], bool]:
+    """One item per stored tensor, in order: referenced (in ``refs``), left live for a save in
+    pieces, reserved for a lazy copy, or staged now. Returns the items, the lazy (buffer, live)
+    pairs, and whether an eager copy left a device (its event must be recorded)."""
     items: list[Item] = []
     lazy: list[tuple[torch.Tensor, torch.Tensor]] = []
     any_cuda = False
     for key, (kind, t) in found.items():
         plan = plans[key]
-        if decided is not None and key in decided.refs:
-            items.append(Item(plan, None, t.dtype, list(t.shape), ref=decided.refs[key]))
+        if refs is not None and key in refs:
+            items.append(Item(plan, None, t.dtype, list(t.shape), ref=refs[key]))
             continue
         if pager is not None:
             guarded = lazy_params is not None and (
@@ -368,10 +407,14 @@ def take_snapshot(
             any_cuda |= t.device.type == "cuda"
             staged = stager.stage(key, t)
         items.append(Item(plan, staged, t.dtype, list(t.shape)))
-    # Private buffers are dropped once a snapshot fitted the RAM tier's slot whole (memory stays
-    # the slots' alone); else those of entries no longer in the state.
-    whole = (stager.slot is not None and not stager.missed) or pager is not None
-    stager.forget_except(set() if whole else {i.plan.key for i in items if i.tensor is not None})
+    return items, lazy, any_cuda
+
+
+def _start_device_copies(
+    stager: Stager, lazy: list[tuple[torch.Tensor, torch.Tensor]], any_cuda: bool
+) -> tuple[Any, Any]:
+    """CUDA only: the event the eager copies complete at (``ready``), and the lazy copies of
+    device tensors started on the stager's side stream with the event they complete at."""
     ready = lazy_event = None
     if any_cuda:
         ready = torch.cuda.Event()
@@ -385,14 +428,7 @@ def take_snapshot(
                 buf.copy_(live, non_blocking=True)
         lazy_event = torch.cuda.Event()
         lazy_event.record(stream)
-    snap = Snapshot(step, reason, score, trees, items, meta, ready=ready, dropped=dropped, lazy=lazy)
-    snap.lazy_event, snap.pager = lazy_event, pager
-    if decided is not None:
-        snap.fingerprints = decided.fps
-        snap.verify = _verify_bytes(decided.verify, found)
-    if not lazy and pager is None:
-        snap.copied.set()
-    return snap
+    return ready, lazy_event
 
 
 def _verify_bytes(

@@ -16,16 +16,11 @@ untouched because blobs are write-once and nothing committed is ever modified.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -43,7 +38,7 @@ from smartckpt_cli.store.scrub import Scrubber
 from smartckpt_cli.store.storage import Pending
 from smartckpt_cli.store.storage.base import Storage
 
-__all__ = ["CommitInfo", "Persister", "Written", "base_meta"]
+__all__ = ["CommitInfo", "Persister", "Written"]
 
 logger = logging.getLogger(__name__)
 
@@ -436,32 +431,3 @@ def _gather(futures: list[Any], pending_of: Any, cleanup: list[Pending] | None =
 
 def _utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-@lru_cache(maxsize=1)
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=2, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def base_meta() -> dict[str, Any]:
-    """L5 metadata that does not change during a run."""
-    from smartckpt_cli.version import __version__
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "world_size": world,
-        "git_commit": _git_commit(),
-        "versions": {
-            "smartckpt": __version__,
-            "torch": torch.__version__,
-            "python": sys.version.split()[0],
-        },
-    }
