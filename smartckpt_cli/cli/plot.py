@@ -110,13 +110,7 @@ def plot(
     """
     from smartckpt_cli.timeline import build_timeline, load_store, parse_steps
 
-    draw = output is not None or not as_json
-    target = output if output is not None else Path("run.png")
-    if draw:
-        from smartckpt_cli.figures.base import check_output, matplotlib
-
-        check_output(target)
-        matplotlib()  # fail now, in one line, not after reading a week of traces
+    target = _figure_target(output, as_json)
     span = parse_steps(steps) if steps is not None else None
     started = time.monotonic()
     open_checkpoints(directory, meta_dir)  # run records but no store: say so (exit 1)
@@ -125,8 +119,21 @@ def plot(
     timeline = build_timeline(facts, opts)
     if as_json:
         typer.echo(json.dumps(timeline.to_json()))
-    if draw:
+    if target is not None:
         _draw(timeline, target, dpi, started, as_json=as_json)
+
+
+def _figure_target(output: Path | None, as_json: bool) -> Path | None:
+    """The figure's file (None: --json alone), checked now: a bad name or a missing matplotlib
+    fails in one line, not after reading a week of traces."""
+    if output is None and as_json:
+        return None
+    target = output if output is not None else Path("run.png")
+    from smartckpt_cli.figures.base import check_output, matplotlib
+
+    check_output(target)
+    matplotlib()
+    return target
 
 
 def _plot_options(
