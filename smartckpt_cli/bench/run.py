@@ -96,8 +96,6 @@ def run_bench(
     progress: Callable[[str], None] = lambda _msg: None,
     on_update: Callable[[BenchResult], None] = lambda _result: None,
 ) -> BenchResult:
-    from smartckpt_cli.engine.manager import CheckpointManager
-
     dev = resolve_device(device)
     params = int(params or DEFAULT_PARAMS[dev.type])
     batch = batch or DEFAULT_BATCH[dev.type]
@@ -116,16 +114,7 @@ def run_bench(
     result.info["dcp_async_staging"] = dcp.staging
     policy = _BenchPolicy()
     try:
-        with CheckpointManager(
-            root / "smartckpt",
-            precision=precision,
-            compression_level=compression_level,
-            workers=workers,
-            keep_last=2,
-            policy=policy,
-            # A bench stopped by SIGTERM (a time limit) stops; no preemption checkpoint first.
-            preempt_signals="",
-        ) as mgr:
+        with _manager(root, policy, precision, compression_level, workers) as mgr:
             mgr.register(model=smart.model, optimizer=smart.opt)
             mgr.restore()
             _measure(
@@ -147,6 +136,22 @@ def run_bench(
         dcp.close()
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _manager(root: Path, policy: _BenchPolicy, precision: str, compression_level: int, workers: int) -> Any:
+    """smartckpt's manager for the whole bench, saving when ``policy`` fires."""
+    from smartckpt_cli.engine.manager import CheckpointManager
+
+    return CheckpointManager(
+        root / "smartckpt",
+        precision=precision,
+        compression_level=compression_level,
+        workers=workers,
+        keep_last=2,
+        policy=policy,
+        # A bench stopped by SIGTERM (a time limit) stops; no preemption checkpoint first.
+        preempt_signals="",
+    )
 
 
 def _measure(
