@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
-from smartckpt_cli.cli import completions, config_cmd, export, inspect_cmd, plot, prune, rollback, verify
+from smartckpt_cli.cli import (
+    completions,
+    config_cmd,
+    export,
+    inspect_cmd,
+    plot,
+    prune,
+    rollback,
+    simulate_cmd,
+    verify,
+)
 from smartckpt_cli.errors import EXIT_USAGE, SmartckptError
 
 try:  # typer vendors click from 0.2x on; before, it is click itself
@@ -96,33 +105,47 @@ app.add_typer(config_cmd.config_app, name="config")
 app.command("completions")(completions.completions)
 
 
+# `smartckpt bench`'s options, in the order its help lists them.
+_BenchDevice = Annotated[
+    str | None, typer.Option(help="cpu or cuda (default: cuda when torch sees a GPU, else cpu).")
+]
+_BenchParams = Annotated[
+    float | None,
+    typer.Option(help="Model size in parameters (default 1e8 on cpu, 4e8 = ~5 GB of state on cuda)."),
+]
+_BenchReps = Annotated[int, typer.Option(min=1, help="Repetitions of the one-save-at-a-time part.")]
+_BenchEvery = Annotated[
+    float, typer.Option(min=0.01, help="Throughput part: seconds of training between saves.")
+]
+_BenchRounds = Annotated[
+    int, typer.Option(min=0, help="Throughput part: rotated rounds of all contenders (0: skip it).")
+]
+_BenchBatch = Annotated[
+    int | None, typer.Option(min=1, help="Training batch (default 8 on cpu, 4096 on cuda).")
+]
+_BenchPrecision = Annotated[str, typer.Option(help="exact, bf16 or fp16 for smartckpt's moments.")]
+_BenchLevel = Annotated[int, typer.Option(help="zstd level for smartckpt (-1: raw).")]
+_BenchWorkers = Annotated[int, typer.Option(help="Encoder threads (0: min(8, 2 x CPUs)).")]
+_BenchWorkdir = Annotated[Path | None, typer.Option(help="Where to write (default: the temp dir).")]
+_BenchJson = Annotated[
+    Path | None,
+    typer.Option("--json", help="Also write the results to this file (updated after each part)."),
+]
+
+
 @app.command()
 def bench(
-    device: Annotated[
-        str | None, typer.Option(help="cpu or cuda (default: cuda when torch sees a GPU, else cpu).")
-    ] = None,
-    params: Annotated[
-        float | None,
-        typer.Option(help="Model size in parameters (default 1e8 on cpu, 4e8 = ~5 GB of state on cuda)."),
-    ] = None,
-    reps: Annotated[int, typer.Option(min=1, help="Repetitions of the one-save-at-a-time part.")] = 3,
-    every: Annotated[
-        float, typer.Option(min=0.01, help="Throughput part: seconds of training between saves.")
-    ] = 10.0,
-    rounds: Annotated[
-        int, typer.Option(min=0, help="Throughput part: rotated rounds of all contenders (0: skip it).")
-    ] = 2,
-    batch: Annotated[
-        int | None, typer.Option(min=1, help="Training batch (default 8 on cpu, 4096 on cuda).")
-    ] = None,
-    precision: Annotated[str, typer.Option(help="exact, bf16 or fp16 for smartckpt's moments.")] = "exact",
-    level: Annotated[int, typer.Option(help="zstd level for smartckpt (-1: raw).")] = 1,
-    workers: Annotated[int, typer.Option(help="Encoder threads (0: min(8, 2 x CPUs)).")] = 0,
-    workdir: Annotated[Path | None, typer.Option(help="Where to write (default: the temp dir).")] = None,
-    as_json: Annotated[
-        Path | None,
-        typer.Option("--json", help="Also write the results to this file (updated after each part)."),
-    ] = None,
+    device: _BenchDevice = None,
+    params: _BenchParams = None,
+    reps: _BenchReps = 3,
+    every: _BenchEvery = 10.0,
+    rounds: _BenchRounds = 2,
+    batch: _BenchBatch = None,
+    precision: _BenchPrecision = "exact",
+    level: _BenchLevel = 1,
+    workers: _BenchWorkers = 0,
+    workdir: _BenchWorkdir = None,
+    as_json: _BenchJson = None,
 ) -> None:
     """Measure smartckpt against torch.save, torch.distributed.checkpoint and the machine's bounds:
     the first save, training throughput with a save every --every seconds, and each save alone.
@@ -132,25 +155,12 @@ def bench(
     from smartckpt_cli.bench.run import run_bench
     from smartckpt_cli.cli.bench_view import render
 
-    command = shlex.join(["smartckpt", *sys.argv[1:]])
-
-    def write(result: Any) -> None:
-        # Rewritten after every part, so a bench cut short (a time limit) keeps what it measured.
-        if as_json is not None:
-            result.record(command).write(as_json)
-
+    write = _bench_writer(as_json, shlex.join(["smartckpt", *sys.argv[1:]]))
     # SIGTERM (a time limit's `timeout`) ends the bench through its cleanup, which removes the
     # checkpoints it wrote, instead of leaving them in the work directory.
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     started = time.monotonic()
     live = console.is_terminal  # a spinner on a terminal; in a log (the GPU check), one line per part
-
-    def say(status: Any, msg: str) -> None:
-        if status is not None:
-            status.update(msg)
-        else:
-            console.print(f"bench: {time.monotonic() - started:6.1f} s  {msg}", highlight=False)
-
     with console.status("benchmarking") if live else contextlib.nullcontext() as status:
         result = run_bench(
             int(params) if params else None,
@@ -163,7 +173,7 @@ def bench(
             precision=precision,
             compression_level=level,
             workers=workers,
-            progress=lambda m: say(status, m),
+            progress=lambda m: _bench_say(status, started, m),
             on_update=write,
         )
     render(result, console)
@@ -172,110 +182,82 @@ def bench(
         console.print(f"results written to {as_json}")
 
 
-@app.command()
-def simulate(
-    trace: Annotated[Path, typer.Argument(help="A trace CSV, or a store directory (its traces/ folder).")],
-    mtbf: Annotated[float, typer.Option(help="Mean time between failures, seconds.")] = 21600.0,
-    save_cost: Annotated[float, typer.Option(help="Seconds the training loop loses per save.")] = 0.5,
-    save_total: Annotated[float, typer.Option(help="Seconds from a save's start to its commit.")] = 5.0,
-    checkpoints: Annotated[
-        int | None,
-        typer.Option(help="Calibrate every policy to this many saves (default: adaptive's count)."),
-    ] = None,
-    min_interval: Annotated[float, typer.Option(help="Floor between a policy's own saves, s.")] = 10.0,
-    max_interval: Annotated[float, typer.Option(help="Lost-work budget: longest gap, s.")] = 180.0,
-    keep_last: Annotated[int, typer.Option(help="Retention: checkpoints kept.")] = 3,
-    spike_k: Annotated[float, typer.Option(help="Spike onset: filtered loss > baseline + k·MAD.")] = 6.0,
-    onsets: Annotated[
-        str | None, typer.Option(help="Comma-separated onset steps instead of detecting them.")
-    ] = None,
-    rollback_at: Annotated[
-        str, typer.Option(help="When a rollback is decided: at a spike's 'end' or its 'onset'.")
-    ] = "end",
-    all_runs: Annotated[
-        bool, typer.Option("--all-runs", help="Concatenate every run of a store, not just the newest.")
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            help="Also draw the trace with each policy's checkpoints (.png, .svg or .html; needs smartckpt\\[plot]).",
-        ),
-    ] = None,
-) -> None:
-    """Replay a signal trace under the fixed, seed and adaptive policies at the same number of
-    checkpoints: overhead, expected lost work, distance from loss spikes to a retained checkpoint.
+def _bench_writer(as_json: Path | None, command: str) -> Callable[[Any], None]:
+    def write(result: Any) -> None:
+        # Rewritten after every part, so a bench cut short (a time limit) keeps what it measured.
+        if as_json is not None:
+            result.record(command).write(as_json)
 
-    At 80 columns (or in a log) the table shows the numbers with units in the headers and each
-    policy's calibrated setting on a line above; from 120 columns, the full table; --json has
-    everything.
+    return write
 
-    \b
-    Examples:
-      smartckpt simulate ./checkpoints --mtbf 3600 --save-cost 2 --save-total 20
-      smartckpt simulate ./checkpoints --plot policies.png
-    """
-    from smartckpt_cli.errors import ConfigError
-    from smartckpt_cli.simulate import SimConfig, read_trace
-    from smartckpt_cli.simulate import simulate as run_simulation
 
-    steps = None
-    if onsets is not None:
-        try:
-            steps = tuple(int(s) for s in onsets.split(",") if s.strip())
-        except ValueError:
-            raise ConfigError(f"--onsets must be comma-separated steps, not {onsets!r}") from None
-    cfg = SimConfig(
-        mtbf=mtbf,
-        save_cost=save_cost,
-        save_total=save_total,
-        min_interval=min_interval,
-        max_interval=max_interval,
-        keep_last=keep_last,
-        checkpoints=checkpoints,
-        spike_k=spike_k,
-        onsets=steps,
-        rollback=rollback_at,
-    )
-    cfg.check()
-    if plot is not None:
-        from smartckpt_cli.figures.base import check_output, matplotlib
-
-        check_output(plot)
-        matplotlib()  # one line, before the replay, when the extra is missing
-    sim_trace = read_trace(trace, all_runs=all_runs)
-    result = run_simulation(sim_trace, cfg)
-    if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+def _bench_say(status: Any, started: float, msg: str) -> None:
+    if status is not None:
+        status.update(msg)
     else:
-        _simulate_report(result)
-    if plot is not None:
-        from smartckpt_cli.figures.base import save
-        from smartckpt_cli.figures.simulation import draw_simulation
-
-        save(draw_simulation(result, sim_trace), plot, title=f"smartckpt simulate: {result.source}")
-        if not as_json:
-            console.print(f"wrote {escape(str(plot))}", highlight=False, soft_wrap=True)
+        console.print(f"bench: {time.monotonic() - started:6.1f} s  {msg}", highlight=False)
 
 
-def _simulate_report(result: Any) -> None:
-    from smartckpt_cli.cli.simulate_view import render
+app.command("simulate")(simulate_cmd.simulate)
 
-    # The terminal's width now (a Console reads COLUMNS when it is made, not at each print).
-    console = Console()
-    console.print(
-        f"trace: {escape(result.source)}\n{result.rows} rows, {result.duration:,.1f} s; "
-        f"calibration: {result.method}",
-        highlight=False,  # wrapped at the terminal's (or the log's 80) columns
-    )
-    if result.onsets:
-        console.print(
-            "divergence onsets at steps " + ", ".join(str(o.step) for o in result.onsets), highlight=False
-        )
-    else:
-        console.print("no divergence onsets found", highlight=False)
-    render(result, console)
+
+# `smartckpt run`'s options, in the order its help lists them.
+_RunCommand = Annotated[list[str] | None, typer.Argument(help="train.py [ARGS], or -- CMD [ARGS].")]
+_RunDir = Annotated[str | None, typer.Option("--dir", help="Checkpoint store (default ./checkpoints).")]
+_RunEvery = Annotated[
+    str | None,
+    typer.Option(help="Fixed schedule instead of the trigger: steps (50) or a duration (30s)."),
+]
+_RunMaxRestarts = Annotated[int | None, typer.Option(help="Restarts before giving up (default 5).")]
+_RunHangTimeout = Annotated[
+    float | None, typer.Option(help="Seconds without a step that count as a hang (default: learned).")
+]
+_RunRequeue = Annotated[
+    bool | None, typer.Option("--requeue/--no-requeue", help="Requeue the SLURM job after USR1/USR2.")
+]
+_RunConfig = Annotated[
+    Path | None,
+    typer.Option(envvar="SMARTCKPT_CONFIG", help="YAML settings file (default ./smartckpt.yaml)."),
+]
+_RunRemote = Annotated[
+    str | None,
+    typer.Option(
+        help="Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and restore from it."
+    ),
+]
+_RunRemoteStartWait = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds to wait for an unreachable remote when nothing is local to resume (default 300)."
+    ),
+]
+_RunRemoteStartFresh = Annotated[
+    bool | None,
+    typer.Option(
+        "--remote-start-fresh/--no-remote-start-fresh",
+        help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
+    ),
+]
+_RunRamEvery = Annotated[
+    float | None,
+    typer.Option(
+        help="Seconds between snapshots kept in shared memory for a fast restart (default: as often as 2 % of the step time allows)."
+    ),
+]
+_RunWarmRestart = Annotated[
+    bool | None,
+    typer.Option(
+        "--warm-restart/--no-warm-restart",
+        help="Keep a spare interpreter with torch imported for the next restart (default on).",
+    ),
+]
+_RunResumeFinished = Annotated[
+    bool,
+    typer.Option(
+        "--resume-finished",
+        help="Start the command even when its last run in --dir finished (it trains on from the final checkpoint).",
+    ),
+]
 
 
 @app.command(
@@ -283,64 +265,19 @@ def _simulate_report(result: Any) -> None:
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )
 def run_cmd(
-    command: Annotated[list[str] | None, typer.Argument(help="train.py [ARGS], or -- CMD [ARGS].")] = None,
-    dir: Annotated[
-        str | None, typer.Option("--dir", help="Checkpoint store (default ./checkpoints).")
-    ] = None,
-    every: Annotated[
-        str | None,
-        typer.Option(help="Fixed schedule instead of the trigger: steps (50) or a duration (30s)."),
-    ] = None,
-    max_restarts: Annotated[int | None, typer.Option(help="Restarts before giving up (default 5).")] = None,
-    hang_timeout: Annotated[
-        float | None, typer.Option(help="Seconds without a step that count as a hang (default: learned).")
-    ] = None,
-    requeue: Annotated[
-        bool | None, typer.Option("--requeue/--no-requeue", help="Requeue the SLURM job after USR1/USR2.")
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(envvar="SMARTCKPT_CONFIG", help="YAML settings file (default ./smartckpt.yaml)."),
-    ] = None,
-    remote: Annotated[
-        str | None,
-        typer.Option(
-            help="Replicate committed checkpoints here (s3://bucket/prefix, file:///path) and restore from it."
-        ),
-    ] = None,
-    remote_start_wait: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds to wait for an unreachable remote when nothing is local to resume (default 300)."
-        ),
-    ] = None,
-    remote_start_fresh: Annotated[
-        bool | None,
-        typer.Option(
-            "--remote-start-fresh/--no-remote-start-fresh",
-            help="With nothing local and the remote unreachable: start a new store at step 0 at once.",
-        ),
-    ] = None,
-    ram_every: Annotated[
-        float | None,
-        typer.Option(
-            help="Seconds between snapshots kept in shared memory for a fast restart (default: as often as 2 % of the step time allows)."
-        ),
-    ] = None,
-    warm_restart: Annotated[
-        bool | None,
-        typer.Option(
-            "--warm-restart/--no-warm-restart",
-            help="Keep a spare interpreter with torch imported for the next restart (default on).",
-        ),
-    ] = None,
-    resume_finished: Annotated[
-        bool,
-        typer.Option(
-            "--resume-finished",
-            help="Start the command even when its last run in --dir finished (it trains on from the final checkpoint).",
-        ),
-    ] = False,
+    command: _RunCommand = None,
+    dir: _RunDir = None,
+    every: _RunEvery = None,
+    max_restarts: _RunMaxRestarts = None,
+    hang_timeout: _RunHangTimeout = None,
+    requeue: _RunRequeue = None,
+    config: _RunConfig = None,
+    remote: _RunRemote = None,
+    remote_start_wait: _RunRemoteStartWait = None,
+    remote_start_fresh: _RunRemoteStartFresh = None,
+    ram_every: _RunRamEvery = None,
+    warm_restart: _RunWarmRestart = None,
+    resume_finished: _RunResumeFinished = False,
 ) -> None:
     """Run a training script under smartckpt: checkpoints without code changes, restarts after
     crashes from the newest verified checkpoint.

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from smartckpt_cli.config import load_settings, parse_every
+from smartckpt_cli.config import Settings, load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
 from smartckpt_cli.supervise.pace import eta_text
@@ -125,24 +125,7 @@ def run_command(
     *,
     resume_finished: bool = False,
 ) -> int:
-    if not args:
-        raise ConfigError("no command: give a script (smartckpt run train.py) or -- CMD ...")
-    if args[0].startswith("-"):  # no program is named like an option: an option run does not know
-        raise ConfigError(f"no such option: {args[0]} (smartckpt run -h; options go before the script)")
-    if every is not None:
-        try:
-            overrides["every_steps"], overrides["every_seconds"] = parse_every(every)
-        except ValueError as err:
-            raise ConfigError(f"--every: {err}") from None
-    settings, sources = load_settings(config, overrides)
-    command = python_command(args)
-    if args[0].endswith(".py") and not Path(args[0]).is_file():
-        raise ConfigError(f"script {args[0]} does not exist")
-    if shutil.which(command[0]) is None:
-        raise ConfigError(f"command {command[0]!r} not found")
-    for name, where in (("--dir", settings.dir), ("meta_dir", settings.meta_dir)):
-        if where is not None and Path(where).exists() and not Path(where).is_dir():
-            raise ConfigError(f"{name} {where} is not a directory")
+    settings, sources, command = _checked(args, overrides, config, every)
     tty = sys.stdout.isatty()
     console = Console(stderr=False, highlight=False, soft_wrap=True)
     err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -161,28 +144,60 @@ def run_command(
         RunOptions(command, settings, sources, output=output, resume_finished=resume_finished), say
     )
     meta_root = Path(settings.meta_dir or settings.dir) if settings.remote else None
-    stop = threading.Event()
-    if tty:
-        live = Live(
+    code = _supervise(sup, console, settings.log_every, meta_root, live=tty)
+    if sup.record.attempts:  # nothing ran when the training had finished already
+        _summary(sup, console)
+    return code
+
+
+def _checked(
+    args: list[str], overrides: dict[str, Any], config: Path | None, every: str | None
+) -> tuple[Settings, dict[str, str], list[str]]:
+    """(settings, their sources, the command to run), or a ConfigError for what can be told
+    wrong before anything starts."""
+    if not args:
+        raise ConfigError("no command: give a script (smartckpt run train.py) or -- CMD ...")
+    if args[0].startswith("-"):  # no program is named like an option: an option run does not know
+        raise ConfigError(f"no such option: {args[0]} (smartckpt run -h; options go before the script)")
+    if every is not None:
+        try:
+            overrides["every_steps"], overrides["every_seconds"] = parse_every(every)
+        except ValueError as err:
+            raise ConfigError(f"--every: {err}") from None
+    settings, sources = load_settings(config, overrides)
+    command = python_command(args)
+    if args[0].endswith(".py") and not Path(args[0]).is_file():
+        raise ConfigError(f"script {args[0]} does not exist")
+    if shutil.which(command[0]) is None:
+        raise ConfigError(f"command {command[0]!r} not found")
+    for name, where in (("--dir", settings.dir), ("meta_dir", settings.meta_dir)):
+        if where is not None and Path(where).exists() and not Path(where).is_dir():
+            raise ConfigError(f"{name} {where} is not a directory")
+    return settings, sources, command
+
+
+def _supervise(
+    sup: Supervisor, console: Console, log_every: float, meta_root: Path | None, *, live: bool
+) -> int:
+    """The supervisor's run, shown as a live panel on a terminal (``live``), else as a status
+    line every ``log_every`` seconds; its exit code."""
+    if live:
+        with Live(
             _panel(sup.state, meta_root),
             console=console,
             refresh_per_second=2,
             get_renderable=lambda: _panel(sup.state, meta_root),
-        )
-        with live:
-            code = sup.run()
-    else:
-        ticker = threading.Thread(
-            target=_ticker, args=(sup.state, settings.log_every, stop, console, meta_root), daemon=True
-        )
-        ticker.start()
-        try:
-            code = sup.run()
-        finally:
-            stop.set()
-    if sup.record.attempts:  # nothing ran when the training had finished already
-        _summary(sup, console)
-    return code
+        ):
+            return sup.run()
+    stop = threading.Event()
+    ticker = threading.Thread(
+        target=_ticker, args=(sup.state, log_every, stop, console, meta_root), daemon=True
+    )
+    ticker.start()
+    try:
+        return sup.run()
+    finally:
+        stop.set()
 
 
 def _ticker(

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console, JustifyMethod
 from rich.table import Table
 
-from smartckpt_cli.simulate import SimResult
+from smartckpt_cli.simulate import PolicyResult, SimResult
 
 __all__ = ["WIDE", "render"]
 
@@ -36,9 +36,26 @@ def render(result: SimResult, console: Console) -> None:
     wide = console.width >= WIDE
     onsets = bool(result.onsets)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    head: list[tuple[str, JustifyMethod]]
+    if not wide:  # each policy's setting on a line of its own, above the table
+        width = max(len(p.name) for p in result.policies)
+        for p in result.policies:
+            console.print(f"  {p.name:<{width}}  {p.knob}", highlight=False, soft_wrap=True)
+    for name, justify in _head(wide, onsets):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for p in result.policies:
+        table.add_row(*_row(p, wide, onsets))
+    console.print(table)
+    if any(not p.exact_count for p in result.policies):
+        console.print(
+            f"* calibration could not reach exactly {result.target} checkpoints: the nearest count is shown",
+            highlight=False,
+        )
+
+
+def _head(wide: bool, onsets: bool) -> list[tuple[str, JustifyMethod]]:
+    """The columns: all of them when ``wide``; else numbers only, onset columns with onsets."""
     if wide:
-        head = [
+        return [
             ("policy", "left"),
             ("setting", "left"),
             ("checkpoints", "right"),
@@ -50,46 +67,38 @@ def render(result: SimResult, console: Console) -> None:
             ("rollback\nlost s", "right"),
             ("missed\nonsets", "right"),
         ]
+    head: list[tuple[str, JustifyMethod]] = [
+        ("policy", "left"),
+        ("saves", "right"),
+        ("overhead\n%", "right"),
+        ("lost per\nfailure s", "right"),
+        ("expected\nlost s", "right"),
+    ]
+    if onsets:
+        head += [("onset dist\nmean/max s", "right"), ("rollback\nlost s", "right"), ("missed", "right")]
+    return head
+
+
+def _row(p: PolicyResult, wide: bool, onsets: bool) -> list[str]:
+    """One policy's cells, for the columns :func:`_head` gives."""
+    count = _count(p.checkpoints, p.exact_count)
+    row = [p.name]
+    if wide:
+        row += [p.knob, count]
     else:
-        width = max(len(p.name) for p in result.policies)
-        for p in result.policies:
-            console.print(f"  {p.name:<{width}}  {p.knob}", highlight=False, soft_wrap=True)
-        head = [
-            ("policy", "left"),
-            ("saves", "right"),
-            ("overhead\n%", "right"),
-            ("lost per\nfailure s", "right"),
-            ("expected\nlost s", "right"),
+        row.append(count)
+    row += [f"{p.overhead * 100:.2f}", _sec(p.mean_lost), _sec(p.expected_lost)]
+    if wide:
+        row += [
+            _sec(p.mean_distance),
+            _sec(p.max_distance),
+            _sec(p.mean_rollback_lost),
+            str(p.missed) if onsets else "-",
         ]
-        if onsets:
-            head += [("onset dist\nmean/max s", "right"), ("rollback\nlost s", "right"), ("missed", "right")]
-    for name, justify in head:
-        table.add_column(name, justify=justify, no_wrap=True)
-    for p in result.policies:
-        count = _count(p.checkpoints, p.exact_count)
-        row = [p.name]
-        if wide:
-            row += [p.knob, count]
-        else:
-            row.append(count)
-        row += [f"{p.overhead * 100:.2f}", _sec(p.mean_lost), _sec(p.expected_lost)]
-        if wide:
-            row += [
-                _sec(p.mean_distance),
-                _sec(p.max_distance),
-                _sec(p.mean_rollback_lost),
-                str(p.missed) if onsets else "-",
-            ]
-        elif onsets:
-            row += [
-                f"{_sec(p.mean_distance)}/{_sec(p.max_distance)}",
-                _sec(p.mean_rollback_lost),
-                str(p.missed),
-            ]
-        table.add_row(*row)
-    console.print(table)
-    if any(not p.exact_count for p in result.policies):
-        console.print(
-            f"* calibration could not reach exactly {result.target} checkpoints: the nearest count is shown",
-            highlight=False,
-        )
+    elif onsets:
+        row += [
+            f"{_sec(p.mean_distance)}/{_sec(p.max_distance)}",
+            _sec(p.mean_rollback_lost),
+            str(p.missed),
+        ]
+    return row

@@ -132,7 +132,10 @@ def _select_run(runs: Sequence[dict[str, Any]], run_id: str | None, store: str) 
     raise UsageError(f"no run {run_id!r} in {store}; its runs: {listed}")
 
 
-def _restarts(runs: Sequence[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any], bool]]:
+Failure = tuple[dict[str, Any], dict[str, Any], bool]  # (run, attempt, another attempt followed)
+
+
+def _restarts(runs: Sequence[dict[str, Any]]) -> list[Failure]:
     """(run, attempt, another attempt followed) for every attempt that ended other than done."""
     out = []
     for run in sorted(runs, key=lambda r: r.get("started") or 0):
@@ -278,18 +281,7 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
         [d.track for d in drawn],
         utc,
     )
-    for j, d in enumerate(drawn):
-        cols = d.table.columns
-        if "loss" in cols and "raw_loss" not in cols:
-            d.derived["loss_median"] = median_filter(
-                cols["loss"], max(1, opts.smooth), d.table.nonfinite.get("loss")
-            )
-        saves = sorted(
-            p.time
-            for e, p in zip(entries, placed, strict=True)
-            if isinstance(e, CheckpointRecord) and e.health == "ok" and p.track == j and p.time is not None
-        )
-        d.derived["unsaved"] = unsaved_work(cols["time"], np.asarray(saves, dtype=np.float64))
+    _derive(drawn, entries, placed, opts.smooth)
 
     run = _select_run(facts.runs, opts.run_id, facts.store)
     window = (-math.inf, math.inf)
@@ -304,22 +296,58 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
     ]
     failures = _restarts([run] if run is not None else facts.runs)
     if opts.steps is not None:
-        lo_s, hi_s = opts.steps
-        failures = [
-            (r, a, again)
-            for r, a, again in failures
-            if _in_steps(a.get("max_step") or -1, opts.steps)
-            or (
-                a.get("restart_from") is not None
-                and a.get("max_step") is not None
-                and (hi_s is None or a["restart_from"] <= hi_s)
-                and (lo_s is None or a["max_step"] >= lo_s)
-            )
-        ]
+        failures = _failures_in(failures, opts.steps)
         if rows == 0 and not any(isinstance(e, CheckpointRecord) for e, _ in kept):
             raise _outside(drawn, window, records, opts.steps)
+    t0 = _time_zero(drawn, kept, failures, run)
+    tl = _timeline(facts, opts, t0, kept, failures, rows, sum(d.table.skipped for d in drawn))
+    if run is not None:
+        tl.run = _run_json(run, t0)
+    xs = data_range(drawn, tl.axis, t0)
+    if tl.checkpoints or tl.restarts:
+        xs += list(tl.x_range())
+    lo, hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
+    add_series(tl, drawn, lo, hi, opts.smooth)
+    return tl
 
-    # Time 0: the earliest thing shown.
+
+def _derive(drawn: list[Drawn], entries: list[Entry], placed: list[Placed], smooth: int) -> None:
+    """Step 3 (module docstring): each track's median-filtered loss and unsaved work, on the
+    whole trace."""
+    for j, d in enumerate(drawn):
+        cols = d.table.columns
+        if "loss" in cols and "raw_loss" not in cols:
+            d.derived["loss_median"] = median_filter(
+                cols["loss"], max(1, smooth), d.table.nonfinite.get("loss")
+            )
+        saves = sorted(
+            p.time
+            for e, p in zip(entries, placed, strict=True)
+            if isinstance(e, CheckpointRecord) and e.health == "ok" and p.track == j and p.time is not None
+        )
+        d.derived["unsaved"] = unsaved_work(cols["time"], np.asarray(saves, dtype=np.float64))
+
+
+def _failures_in(failures: list[Failure], steps: tuple[int | None, int | None]) -> list[Failure]:
+    """The failures whose step, or whose lost span of steps, is in ``steps``."""
+    lo_s, hi_s = steps
+    return [
+        (r, a, again)
+        for r, a, again in failures
+        if _in_steps(a.get("max_step") or -1, steps)
+        or (
+            a.get("restart_from") is not None
+            and a.get("max_step") is not None
+            and (hi_s is None or a["restart_from"] <= hi_s)
+            and (lo_s is None or a["max_step"] >= lo_s)
+        )
+    ]
+
+
+def _time_zero(
+    drawn: list[Drawn], kept: list[tuple[Entry, Placed]], failures: list[Failure], run: dict[str, Any] | None
+) -> float:
+    """Time 0: the earliest thing shown."""
     starts = [float(d.table.columns["time"][d.mask].min()) for d in drawn if d.mask.any()]
     starts += [p.time for _, p in kept if p.time is not None]
     starts += [
@@ -329,10 +357,21 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
     ]
     if run is not None and run.get("started"):
         starts.append(float(run["started"]))
-    t0 = min(starts) if starts else 0.0
+    return min(starts) if starts else 0.0
 
+
+def _timeline(
+    facts: StoreFacts,
+    opts: PlotOptions,
+    t0: float,
+    kept: list[tuple[Entry, Placed]],
+    failures: list[Failure],
+    rows: int,
+    skipped: int,
+) -> Timeline:
+    """The timeline's markers, spans and settings, times from ``t0``; no series yet."""
     policy, policy_text = _policy([e.reason for e, _ in kept if isinstance(e, CheckpointRecord)], opts.policy)
-    tl = Timeline(
+    return Timeline(
         store=facts.store,
         t0=t0,
         axis=opts.axis,
@@ -355,20 +394,16 @@ def build_timeline(facts: StoreFacts, opts: PlotOptions) -> Timeline:
         remote=_remote_json(facts.remote, t0),
         bins=opts.bins,
         trace_rows=rows,
-        skipped_rows=sum(d.table.skipped for d in drawn),
+        skipped_rows=skipped,
     )
-    if run is not None:
-        tl.run = {
-            "run_id": run.get("run_id"),
-            "outcome": run.get("outcome"),
-            "started": None if not run.get("started") else float(run["started"]) - t0,
-            "ended": None if not run.get("ended") else float(run["ended"]) - t0,
-            "restarts": max(0, len(run.get("attempts") or []) - 1),
-            "command": run.get("command"),
-        }
-    xs = data_range(drawn, tl.axis, t0)
-    if tl.checkpoints or tl.restarts:
-        xs += list(tl.x_range())
-    lo, hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
-    add_series(tl, drawn, lo, hi, opts.smooth)
-    return tl
+
+
+def _run_json(run: dict[str, Any], t0: float) -> dict[str, Any]:
+    return {
+        "run_id": run.get("run_id"),
+        "outcome": run.get("outcome"),
+        "started": None if not run.get("started") else float(run["started"]) - t0,
+        "ended": None if not run.get("ended") else float(run["ended"]) - t0,
+        "restarts": max(0, len(run.get("attempts") or []) - 1),
+        "command": run.get("command"),
+    }

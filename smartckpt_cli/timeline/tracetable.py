@@ -120,25 +120,14 @@ def _decisions_last(body: bytes) -> dict[int, str]:
     return out
 
 
-def parse_table(data: bytes | str, name: str = "trace") -> TraceTable:
-    """A trace CSV as columns. Raises ConfigError when it is not a trace at all (no ``step``
-    and ``time`` columns); damage inside a trace is skipped, not fatal."""
-    text = data.encode() if isinstance(data, str) else data
-    if text and not text.endswith(b"\n") and b"\n" in text:
-        text = text[: text.rindex(b"\n") + 1]  # torn last line
-    head_b, _, body = text.partition(b"\n")
-    try:
-        head = head_b.decode()
-    except UnicodeDecodeError:
-        raise ConfigError(f"{name} is not a text file, not a smartckpt trace") from None
-    names = [h.strip() for h in head.split(",")]
-    missing = [c for c in REQUIRED if c not in names]
-    if missing or not head.strip():
-        raise ConfigError(f"{name} is not a smartckpt trace: no column {', '.join(missing or REQUIRED)}")
-    numeric = [i for i, n in enumerate(names) if n not in TEXT_COLUMNS and n]
+def _body(
+    body: bytes, names: list[str], numeric: list[int], name: str
+) -> tuple[np.ndarray, dict[int, str], list[int] | None, int]:
+    """(the numeric columns, the non-empty decisions by line, the lines behind the rows when
+    some were skipped, how many were): the fast reader, else line by line (module docstring)."""
     skipped = 0
     table = np.empty((0, len(numeric)))
-    decisions: dict[int, str] = {}  # by line, until renumbered below
+    decisions: dict[int, str] = {}  # by line, until parse_table renumbers them
     at = names.index("decision") if "decision" in names else None
     kept: list[int] | None = None  # lines behind the rows, when some were skipped
     if body.strip():
@@ -160,6 +149,26 @@ def parse_table(data: bytes | str, name: str = "trace") -> TraceTable:
             if at is not None:
                 decisions = {i: lines[i].split(",")[at].strip() for i in kept}
                 decisions = {i: d for i, d in decisions.items() if d}
+    return table, decisions, kept, skipped
+
+
+def parse_table(data: bytes | str, name: str = "trace") -> TraceTable:
+    """A trace CSV as columns. Raises ConfigError when it is not a trace at all (no ``step``
+    and ``time`` columns); damage inside a trace is skipped, not fatal."""
+    text = data.encode() if isinstance(data, str) else data
+    if text and not text.endswith(b"\n") and b"\n" in text:
+        text = text[: text.rindex(b"\n") + 1]  # torn last line
+    head_b, _, body = text.partition(b"\n")
+    try:
+        head = head_b.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{name} is not a text file, not a smartckpt trace") from None
+    names = [h.strip() for h in head.split(",")]
+    missing = [c for c in REQUIRED if c not in names]
+    if missing or not head.strip():
+        raise ConfigError(f"{name} is not a smartckpt trace: no column {', '.join(missing or REQUIRED)}")
+    numeric = [i for i, n in enumerate(names) if n not in TEXT_COLUMNS and n]
+    table, decisions, kept, skipped = _body(body, names, numeric, name)
     columns: dict[str, np.ndarray] = {}
     nonfinite: dict[str, np.ndarray] = {}
     for j, c in enumerate(numeric):
