@@ -12,7 +12,9 @@ The workload (``--worker``): the bench MLP of ``--params`` parameters with AdamW
 ``mgr.step`` (the lazy path a loop takes), each save waited for before the next; then a fresh
 model and optimizer restore the newest checkpoint. Per round and side:
 
-* step: the median step time without a save in flight (the loop's clock);
+* step: the median step time without a save in flight (the loop's clock; torch's forward,
+  backward and update dominate it, and their noise), and ``mgr.step()``'s own time on those
+  steps (smartckpt's part of a step);
 * save, loop wait: ``SaveHandle.loop_wait_seconds`` (what the loop waited for the copy), median;
 * save, until committed: from the save's step to ``SaveHandle.wait()`` returning, median;
 * restore: ``CheckpointManager.restore()`` of the newest checkpoint, into live objects.
@@ -38,7 +40,8 @@ if "--worker" not in sys.argv and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FIGURES = {
-    "step_ms": "median step without a save in flight",
+    "step_ms": "median step without a save in flight (torch's compute dominates it)",
+    "step_call_ms": "mgr.step() itself on a step without a save, median (smartckpt's part of a step)",
     "save_wait_ms": "save: the loop's wait (SaveHandle.loop_wait_seconds), median",
     "save_commit_ms": "save: from its step until committed, median",
     "restore_ms": "restore() of the newest checkpoint into live objects",
@@ -63,6 +66,7 @@ def worker(params: int, steps: int, every: int) -> dict[str, float | str]:
     model, opt = build()
     x = torch.randn(8, next(model.parameters()).shape[1])
     plain: list[float] = []
+    calls: list[float] = []
     waits: list[float] = []
     commits: list[float] = []
     with tempfile.TemporaryDirectory(prefix="smartckpt-against-") as tmp:
@@ -74,14 +78,17 @@ def worker(params: int, steps: int, every: int) -> dict[str, float | str]:
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
             res = mgr.step(step)
-            dt = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            dt = t2 - t0
             if res.saved and res.handle is not None:
                 res.handle.wait()
                 commits.append(time.perf_counter() - t0)
                 waits.append(res.handle.loop_wait_seconds)
             elif step > 1:
                 plain.append(dt)
+                calls.append(t2 - t1)
         mgr.close()
         model2, opt2 = build()
         mgr2 = sc.CheckpointManager(tmp)
@@ -94,6 +101,7 @@ def worker(params: int, steps: int, every: int) -> dict[str, float | str]:
             raise SystemExit(f"restored step {start}, expected {(steps // every) * every}")
     return {
         "step_ms": 1e3 * statistics.median(plain),
+        "step_call_ms": 1e3 * statistics.median(calls),
         "save_wait_ms": 1e3 * statistics.median(waits),
         "save_commit_ms": 1e3 * statistics.median(commits),
         "restore_ms": 1e3 * restore,
