@@ -162,7 +162,7 @@ def main() -> int:
         rec.add(f"{key}[this]", after, "ms", f"{what}, this tree")
         rec.add(f"{key}[ratio]", after / before, "x", f"{what}: this tree over commit {args.commit}")
         print(
-            f"{key:16} {args.commit}: {before:8.1f} ms   this tree: {after:8.1f} ms   ratio {after / before:.2f}"
+            f"{key:16} {args.commit}: {before:9.3f} ms   this tree: {after:9.3f} ms   ratio {after / before:.2f}"
         )
     rec.details.update(
         rounds=args.rounds, params=int(args.params), steps=args.steps, every=args.every, sides=sides
