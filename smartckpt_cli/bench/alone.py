@@ -11,36 +11,20 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from smartckpt_cli.bench.context import BenchContext
 from smartckpt_cli.bench.model import state_tensors
-from smartckpt_cli.bench.result import BenchResult
-from smartckpt_cli.bench.savers import DcpSaver, Rotation, TorchSaver, dir_bytes
-from smartckpt_cli.bench.throughput import Trainer
+from smartckpt_cli.bench.savers import TorchSaver, dir_bytes
 
 __all__ = ["one_save_at_a_time"]
 
 
-def one_save_at_a_time(
-    mgr: Any,
-    policy: Any,
-    smart: Trainer,
-    plain: Trainer,
-    dcp: DcpSaver,
-    rotation: Rotation,
-    root: Path,
-    sync: Callable[[], None],
-    result: BenchResult,
-    progress: Callable[[str], None],
-    on_update: Callable[[BenchResult], None],
-) -> None:
+def one_save_at_a_time(ctx: BenchContext) -> None:
     """Part 3 (run.py's module docstring): each method alone, median of ``result.reps``
     repetitions."""
-    alone = _Alone(mgr, policy, smart, plain, dcp, rotation, root, sync, result)
+    alone, dcp, rotation, root, result = _Alone(ctx), ctx.dcp, ctx.rotation, ctx.root, ctx.result
     # DCP async_save's first save allocates its stager's buffers (pinned, on CUDA), a first-save
     # cost that part 2's warm-up paid already; without part 2 a warm-up pays it here. No other
     # warm-up is needed: a method's first save, with no previous checkpoint to rotate against,
@@ -49,7 +33,7 @@ def one_save_at_a_time(
         dcp.async_save(root / "dcp-async-warmup").wait()
         rotation.rotate("dcp-async", root / "dcp-async-warmup")
     for rep in range(result.reps):
-        progress(f"one save at a time, repetition {rep + 1} of {result.reps}")
+        ctx.progress(f"one save at a time, repetition {rep + 1} of {result.reps}")
         alone.bound_copy(rep)
         alone.bound_write(rep)
         # The order of the contenders rotates from one repetition to the next: what ran just
@@ -59,27 +43,18 @@ def one_save_at_a_time(
         for fn in contenders[k:] + contenders[:k]:
             fn(rep)
             gc.collect()
-            on_update(result)  # a bench cut short keeps every contender measured so far
+            ctx.on_update(result)  # a bench cut short keeps every contender measured so far
 
 
 class _Alone:
     """What part 3's measurements share; each method measures one of them once (``rep``: the
     repetition, which names its files)."""
 
-    def __init__(
-        self,
-        mgr: Any,
-        policy: Any,
-        smart: Trainer,
-        plain: Trainer,
-        dcp: DcpSaver,
-        rotation: Rotation,
-        root: Path,
-        sync: Callable[[], None],
-        result: BenchResult,
-    ) -> None:
-        self.mgr, self.policy, self.smart, self.plain = mgr, policy, smart, plain
-        self.dcp, self.rotation, self.root, self.sync, self.result = dcp, rotation, root, sync, result
+    def __init__(self, ctx: BenchContext) -> None:
+        self.mgr, self.policy, self.smart, self.plain = ctx.mgr, ctx.policy, ctx.smart, ctx.plain
+        self.dcp, self.rotation, self.root, self.sync = ctx.dcp, ctx.rotation, ctx.root, ctx.sync
+        self.result = ctx.result
+        plain = ctx.plain
         self.cuda = next(plain.model.parameters()).is_cuda
         self.payload = bytearray(os.urandom(1 << 20)) * 16  # 16 MiB of incompressible bytes
         self.torch_saver = TorchSaver(plain.model, plain.opt)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from smartckpt_cli.bench.alone import one_save_at_a_time
+from smartckpt_cli.bench.context import BenchContext
 from smartckpt_cli.bench.model import (
     DEFAULT_BATCH,
     DEFAULT_PARAMS,
@@ -117,21 +118,10 @@ def run_bench(
         with _manager(root, policy, precision, compression_level, workers) as mgr:
             mgr.register(model=smart.model, optimizer=smart.opt)
             mgr.restore()
-            _measure(
-                mgr,
-                policy,
-                smart,
-                plain,
-                dcp,
-                rotation,
-                root,
-                sync,
-                result,
-                every,
-                rounds,
-                progress,
-                on_update,
+            ctx = BenchContext(
+                mgr, policy, smart, plain, dcp, rotation, root, sync, result, progress, on_update
             )
+            _measure(ctx, every, rounds)
     finally:
         dcp.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -154,53 +144,25 @@ def _manager(root: Path, policy: _BenchPolicy, precision: str, compression_level
     )
 
 
-def _measure(
-    mgr: Any,
-    policy: _BenchPolicy,
-    smart: Trainer,
-    plain: Trainer,
-    dcp: DcpSaver,
-    rotation: Rotation,
-    root: Path,
-    sync: Callable[[], None],
-    result: BenchResult,
-    every: float,
-    rounds: int,
-    progress: Callable[[str], None],
-    on_update: Callable[[BenchResult], None],
-) -> None:
+def _measure(ctx: BenchContext, every: float, rounds: int) -> None:
     """The three parts (module docstring), in order, with the manager registered and restored;
     ``result`` is handed to ``on_update`` after each."""
     # A run saving every `every` seconds takes its first save after as long; 5 s at
     # most here (the bench's time), still what a background preparation could use.
     first_after = min(every, 5.0)
-    progress(f"first save, after {first_after:g} s of training")
-    _first_save(mgr, policy, smart, first_after, sync, result)
-    result.done.append("first-save")
-    on_update(result)
+    ctx.progress(f"first save, after {first_after:g} s of training")
+    _first_save(ctx.mgr, ctx.policy, ctx.smart, first_after, ctx.sync, ctx.result)
+    ctx.result.done.append("first-save")
+    ctx.on_update(ctx.result)
     if rounds > 0:
-        _throughput_part(
-            mgr,
-            policy,
-            smart,
-            plain,
-            dcp,
-            rotation,
-            root,
-            sync,
-            result,
-            every,
-            rounds,
-            progress,
-            on_update,
-        )
+        _throughput_part(ctx, every, rounds)
     else:
-        result.notes.append("throughput part skipped (--rounds 0)")
-    result.done.append("throughput")
-    on_update(result)
-    one_save_at_a_time(mgr, policy, smart, plain, dcp, rotation, root, sync, result, progress, on_update)
-    result.done.append("saves")
-    on_update(result)
+        ctx.result.notes.append("throughput part skipped (--rounds 0)")
+    ctx.result.done.append("throughput")
+    ctx.on_update(ctx.result)
+    one_save_at_a_time(ctx)
+    ctx.result.done.append("saves")
+    ctx.on_update(ctx.result)
 
 
 def _new_result(plain: Trainer, reps: int, dev: torch.device, batch: int, every: float) -> BenchResult:
@@ -220,24 +182,11 @@ def _new_result(plain: Trainer, reps: int, dev: torch.device, batch: int, every:
     return result
 
 
-def _throughput_part(
-    mgr: Any,
-    policy: _BenchPolicy,
-    smart: Trainer,
-    plain: Trainer,
-    dcp: DcpSaver,
-    rotation: Rotation,
-    root: Path,
-    sync: Callable[[], None],
-    result: BenchResult,
-    every: float,
-    rounds: int,
-    progress: Callable[[str], None],
-    on_update: Callable[[BenchResult], None],
-) -> None:
+def _throughput_part(ctx: BenchContext, every: float, rounds: int) -> None:
     """Part 2 (module docstring), after the warm-ups that keep its first round from being the
     slow one."""
-    progress("warm-up save of DCP async_save (its staging buffers)")
+    plain, dcp, root, rotation, result = ctx.plain, ctx.dcp, ctx.root, ctx.rotation, ctx.result
+    ctx.progress("warm-up save of DCP async_save (its staging buffers)")
     dcp.async_save(root / "dcp-async-warmup").wait()
     rotation.rotate("dcp-async", root / "dcp-async-warmup")
     # The other model trained for `every` seconds above; this one warms up too
@@ -245,24 +194,24 @@ def _throughput_part(
     warm = time.perf_counter() + min(every, 2.0)
     while time.perf_counter() < warm:
         plain.step()
-    sync()
+    ctx.sync()
 
     def round_done(tp: Throughput) -> None:
         result.throughput = tp
-        on_update(result)
+        ctx.on_update(result)
 
     tp = run_throughput(
         plain=plain,
-        smart=smart,
-        mgr=mgr,
-        policy=policy,
+        smart=ctx.smart,
+        mgr=ctx.mgr,
+        policy=ctx.policy,
         dcp=dcp,
         root=root,
         rotation=rotation,
         every=every,
         rounds=rounds,
-        sync=sync,
-        progress=progress,
+        sync=ctx.sync,
+        progress=ctx.progress,
         on_round=round_done,
     )
     result.later_lazy_waits.extend(tp.loop_wait.get("smartckpt", []))
