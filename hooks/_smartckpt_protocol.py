@@ -18,18 +18,7 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
 ``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
                          supervisor sends :data:`STACK_SIGNAL` to a hung process.
 ``report.<pid>.json``    what the training process itself says it did (rewritten whole as it
-                         learns more): where it began (``start_step``, ``restored_from``:
-                         ``ram``/``disk``/``remote``/null, the ``checkpoint`` id and its ``lineage``),
-                         whether the script called ``start_step()`` (``start_step_called``,
-                         ``start_step_early``: before any optimizer existed), the resume check's
-                         verdict (``resume_check``) and ``no_optimizer`` (backward passes, but no
-                         ``torch.optim`` optimizer ever stepped); what went wrong since:
-                         ``save_failures`` (count, last error, step), ``io_error`` (what cannot be
-                         written and why; null once it works again), ``checkpointing_off`` (why
-                         zero-code checkpointing turned itself off, and at which step). Phases
-                         of a start (wall times): ``torch_ready`` (torch imported, the hooks in),
-                         ``restore_began``, ``restore_done``, ``first_step_done``. Every key is
-                         optional.
+                         learns more): the facts of :data:`REPORT_FACTS`, every one optional.
 """
 
 from __future__ import annotations
@@ -41,6 +30,42 @@ import struct
 import time
 from dataclasses import dataclass
 from typing import Any
+
+# Every fact a training process may put in its report.<pid>.json, with what it means: the one
+# list of the child-to-supervisor report (the child's engine/report.py writes no other name).
+REPORT_FACTS: dict[str, str] = {
+    "pid": "the reporting process",
+    "rank": "its rank (-1: no torch.distributed rank)",
+    "start_step": "the step the script really began at",
+    "restored_from": "where that step came from: ram, disk, remote, or null (nothing restored)",
+    "checkpoint": "the id of the checkpoint restored",
+    "lineage": "the lineage it continues (engine/restore.py's same_lineage)",
+    "start_step_called": "whether the script called start_step()",
+    "start_step_early": "it did, before any optimizer existed",
+    "resume_check": "the resume check's verdict: {step, verdict, expected, got}",
+    "no_optimizer": "backward passes, but no torch.optim optimizer ever stepped",
+    "save_failures": "background saves failing: {count, last, step}",
+    "io_error": "a write on the loop's path failing: {what, error}; null once it works again",
+    "checkpointing_off": "zero-code checkpointing turned itself off: {why, step}",
+    "commit_interrupted": "a save cut off before its commit: {step, error}",
+    "torch_ready": "wall time: torch imported and the hooks in (a start's first phase)",
+    "restore_began": "wall time: the restore began",
+    "restore_done": "wall time: the restore ended",
+    "first_step_done": "wall time: the first step after the start ended",
+    "first_step": "that step's number",
+}
+
+# The facts an attempt's run record keeps as the child last said them, each in the field of the
+# same name of supervise/records.py's AttemptRecord, with the type a value must have to be taken
+# (anything else is ignored: the report is read back, never trusted). A new fact the run record
+# keeps is one entry here plus its field there.
+KEPT_FACTS: dict[str, type] = {
+    "resume_check": dict,
+    "no_optimizer": bool,
+    "checkpointing_off": dict,
+    "save_failures": dict,
+    "io_error": dict,
+}
 
 # Set by the supervisor in the child's environment.
 ENV_RUN_DIR = "SMARTCKPT_RUN_DIR"  # the run directory above; its presence arms the hooks

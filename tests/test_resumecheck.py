@@ -297,7 +297,7 @@ def test_learn_and_say_where_an_attempt_began() -> None:
         ok,
         {"start_step": 75, "restored_from": "disk", "resume_check": {"step": 76, "verdict": "exact"}},
         "t.py",
-    ) == ["start", "check"]
+    ) == ["start", "resume_check"]
     assert start_line(ok, {}, "t.py", None) == ("info", "attempt 2: resumed at step 75 (restored from disk)")
     assert learn(ok, {"no_optimizer": True}, "t.py") == ["no_optimizer"] and ok.no_optimizer
 

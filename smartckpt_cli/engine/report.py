@@ -1,5 +1,5 @@
 """What this process tells ``smartckpt run`` beyond its heartbeat: ``<run_dir>/report.<pid>.json``
-(the contract is ``hooks/_smartckpt_protocol.py``'s).
+(the contract, and the list of facts, is ``hooks/_smartckpt_protocol.py``'s ``REPORT_FACTS``).
 
 The facts only the training process knows: the step the script really began at and where it
 was restored from (``start_step``, ``restored_from``, ``checkpoint``, ``lineage``), whether the
@@ -35,6 +35,7 @@ def report(**facts: Any) -> None:
     the file; nothing outside ``smartckpt run``. Never raises: a report that cannot be written
     must not stop training."""
     global _facts, _pid
+    facts = _known(facts)
     with _lock:
         if _pid != os.getpid():  # a forked child reports for itself
             _facts, _pid = {}, os.getpid()
@@ -54,6 +55,7 @@ def note(**facts: Any) -> None:
     """Add ``facts`` to what the next :func:`report` writes, writing nothing now: a process that
     never reports (the torchrun agent, a DataLoader worker) leaves no file for them."""
     global _facts, _pid
+    facts = _known(facts)
     with _lock:
         if _pid != os.getpid():
             _facts, _pid = {}, os.getpid()
@@ -64,3 +66,15 @@ def reported() -> dict[str, Any]:
     """What this process has reported so far (also outside ``smartckpt run``)."""
     with _lock:
         return dict(_facts) if _pid == os.getpid() else {}
+
+
+def _known(facts: dict[str, Any]) -> dict[str, Any]:
+    """``facts`` without a name the protocol does not list (``REPORT_FACTS``): a fact the
+    supervisor cannot know is a mistake here, said, never written (tests/test_child_protocol.py
+    finds every name this package reports)."""
+    names = protocol().REPORT_FACTS
+    unknown = sorted(k for k in facts if k not in names)
+    if unknown:
+        logger.warning("smartckpt: not in the report protocol, not reported: %s", ", ".join(unknown))
+        return {k: v for k, v in facts.items() if k in names}
+    return facts

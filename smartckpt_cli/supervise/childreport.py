@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.supervise.records import AttemptRecord
 
 __all__ = [
@@ -61,7 +62,8 @@ def learn(
     att: AttemptRecord, report: dict[str, Any], script: str, prev: AttemptRecord | None = None
 ) -> list[str]:
     """Take what ``report`` says into ``att``; returns what is new: ``"start"`` (where it began
-    is known now), ``"check"`` (a resume check verdict), ``"no_optimizer"``."""
+    is known now; ``"corrected"`` too when it said otherwise before) and each of the protocol's
+    ``KEPT_FACTS`` said for the first time in this attempt."""
     new = []
     start = report.get("start_step")
     came_from = report.get("restored_from")
@@ -79,22 +81,15 @@ def learn(
         if start == 0 and came_from is None and att.newest_checkpoint > 0:
             att.began_again = began_again(report, script)[0]
         new.append("start")
-    check = report.get("resume_check")
-    if isinstance(check, dict) and att.resume_check != check:
-        att.resume_check = check
-        new.append("check")
     phases = restart_phases(att.started, report, prev)
     if phases and phases != att.phases:
         att.phases = phases
-    if report.get("no_optimizer") and not att.no_optimizer:
-        att.no_optimizer = True
-        new.append("no_optimizer")
-    for key in ("checkpointing_off", "save_failures", "io_error"):
+    for key, kind in proto.KEPT_FACTS.items():
         value = report.get(key)
         # io_error turns null when writing works again: the record keeps the last one seen.
         # What is new is what was never seen in this attempt: said once, then kept current.
-        if isinstance(value, dict) and value != getattr(att, key):
-            if getattr(att, key) is None:
+        if isinstance(value, kind) and value and value != getattr(att, key):
+            if not getattr(att, key):
                 new.append(key)
             setattr(att, key, value)
     return new
