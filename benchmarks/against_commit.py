@@ -140,6 +140,8 @@ def main() -> int:
         return 0
     if not args.commit or args.rounds < 1 or args.steps < 2 * args.every:
         ap.error("--commit is needed, --rounds at least 1, --steps at least two saves' worth")
+    import torch  # noqa: F401  (imported for the record's torch version: the sides run it)
+
     rec = _record.start("against_commit")
     with tempfile.TemporaryDirectory(prefix="smartckpt-against-tree-") as tmp:
         old = Path(tmp) / "old"

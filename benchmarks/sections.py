@@ -970,3 +970,29 @@ def save_memory(s: Any) -> list[str]:
             )
         )
     return out
+
+
+@section("against-commit")
+def against_commit(s: Any) -> list[str]:
+    f = "against_commit"
+    commit = s.data(f)["command"].split("--commit", 1)[1].split()[0]
+    rows = [
+        ("a save: the loop's wait", "save_wait_ms", "{:.1f}", None),
+        ("a save: until committed", "save_commit_ms", "{:.0f}", None),
+        ("a restore", "restore_ms", "{:.0f}", None),
+        ("`mgr.step()` itself, a step without a save", "step_call_ms", "{:.0f}", "us"),
+        ("a whole step (torch's compute and its noise)", "step_ms", "{:.0f}", None),
+    ]
+    out = [_row(["median", f"commit {commit}", "this tree", "this tree / earlier"]), _row(["---"] * 4)]
+    for label, key, fmt, unit in rows:
+        out.append(
+            _row(
+                [
+                    label,
+                    s.fig(f, f"{key}[earlier]", fmt, unit),
+                    s.fig(f, f"{key}[this]", fmt, unit),
+                    s.fig(f, f"{key}[ratio]", "{:.2f}"),
+                ]
+            )
+        )
+    return out
