@@ -67,8 +67,10 @@ def test_disk_full_keeps_training_and_the_previous_checkpoint(tiny_fs):
             break
     assert failed_at is not None, "the 3 MB filesystem never filled up"
     assert "No space left on device" in mgr.failures[0] or "ENOSPC" in mgr.failures[0]
-    _step(model, opt)
-    assert mgr.step(failed_at + 1).failures >= 1
+    for later in range(failed_at + 1, failed_at + 6):  # every later step says so, fast path or not
+        _step(model, opt)
+        res = mgr.step(later)
+        assert res.failures >= 1 and res.last_error == mgr.failures[-1], (later, res)
     failures = mgr.close()
     assert failures
     assert not list(tiny_fs.rglob("*.tmp.*")), "a failed save left temporary files behind"
@@ -224,3 +226,22 @@ def test_a_failing_background_save_of_any_kind_is_recorded_never_raised(tmp_path
     failed = [e for e in events if e["event"] == "save_failed"]
     assert len(failed) == len(failures) and failed[0]["cause"].startswith("TypeError: state_dict")
     assert [e["repeat"] for e in failed] == list(range(len(failed)))
+
+
+def test_an_event_two_threads_journal_at_once_is_written_once(tmp_path):
+    """The loop and the save thread may both journal an event (a failure, an I/O problem): the
+    one that finds the other writing leaves its event pending, and the writer's next call
+    writes it, once."""
+    mgr = sc.CheckpointManager(tmp_path / "ck")
+    mgr.register(model=_model())
+    mgr._journal_flush.acquire()  # the other thread is writing
+    try:
+        mgr._journal_event({"event": "save_failed", "step": 3, "error": "x"})
+        assert not mgr.store.journal.read().failures
+    finally:
+        mgr._journal_flush.release()
+    mgr._journal_event()
+    mgr._journal_event()
+    written = mgr.store.journal.read().failures
+    assert len(written) == 1 and written[0]["step"] == 3
+    mgr.close()

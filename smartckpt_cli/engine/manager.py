@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import uuid
@@ -188,6 +189,11 @@ class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePat
         self._clock = StepClock()
         self._quiet: tuple[float, float] = (-math.inf, -math.inf)
         self._quiet_commits = -1
+        # What the save thread tells the loop (engine/saving.py): "commit" or "failure", one
+        # item each; the loop takes them at its next step that is not the fast path.
+        self._news: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._commits_seen = 0  # commits the loop has taken from _news
+        self._failures_seen: tuple[int, str | None] = (0, None)  # their count and the newest
         self._wish: Decision | None = None  # a save asked for, waiting for a step that can take it
         self._eval_cost = 0.0  # host seconds of the evaluation in progress
         self._prepare = False  # prepare the staging buffers at the next step
@@ -259,11 +265,12 @@ class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePat
         self._stats = SaveStats()
         self._stats_lock = threading.Lock()
         self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
+        self._journal_flush = threading.Lock()  # one thread writes them at a time
         # The newest committed checkpoint, the newest taken (committed or in flight: the trigger
         # schedules from it, a failure reverts it) and the saves' cost, behind one lock.
         self._schedule = SaveSchedule(time.monotonic())
         self._closed = False
-        self.last_commit: CommitInfo | None = None
+        self._last_commit: CommitInfo | None = None  # under _stats_lock: the property reads it
 
     def _init_restore_state(self) -> None:
         """What the last restore left: its manifest, its limits, the lineage, the resume check."""
@@ -399,8 +406,7 @@ class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePat
         try:
             with heartbeat.heartbeat_state("SAVING"):
                 self.wait()
-                if self._unjournalled:
-                    self._journal_event()  # failures the journal could not take when they happened
+                self._journal_event()  # failures the journal could not take when they happened
                 for observer in self._observers:
                     observer.on_close()
         finally:

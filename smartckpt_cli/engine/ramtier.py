@@ -78,7 +78,9 @@ class RamTier:
         # a restore's copy out of the slot is memory-bound: no more threads than this rank's
         # share of the cores (the node's ranks restore at the same time)
         self.workers = max(1, min(settings.n_workers, (os.cpu_count() or 1) // ramarea.local_ranks()))
-        self.active = True
+        # Set once the tier stands down (a one-way switch the loop, the save thread, the preparing
+        # thread and the encode pool may all throw): an Event, read by all of them.
+        self._down = threading.Event()
         self.slots: list[ramarea.Slot | None] = [None, None]
         self.buffers: list[dict[str, torch.Tensor]] = [{}, {}]
         self.offsets: dict[str, int] = {}
@@ -90,7 +92,10 @@ class RamTier:
         self._said_unpinned = False
         self._prep: threading.Thread | None = None
         self.committed: int | None = None  # the slot the record names
-        self.cost = 0.0  # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed
+        # seconds a RAM snapshot costs (loop wait + copies and hashes), smoothed: written by the
+        # save thread, read by the loop's cadence (interval), under _cost_lock
+        self._cost = 0.0
+        self._cost_lock = threading.Lock()
         self.snapshots = 0
         self.last: dict[str, Any] | None = None  # the newest record this process wrote or read
         # The record each slot was last committed with by this process: an entry a snapshot
@@ -305,7 +310,8 @@ class RamTier:
             self.records[i] = record
         self.snapshots += 1
         took = snap.blocking_seconds + snap.guard_seconds + (time.perf_counter() - t0)
-        self.cost = took if self.cost == 0.0 else 0.7 * self.cost + 0.3 * took
+        with self._cost_lock:
+            self._cost = took if self._cost == 0.0 else 0.7 * self._cost + 0.3 * took
 
     @property
     def layout(self) -> int:
@@ -342,16 +348,28 @@ class RamTier:
             if self.committed is not None:
                 self.records[self.committed] = record
 
+    @property
+    def active(self) -> bool:
+        """Whether the tier still takes snapshots (False for good once it stood down)."""
+        return not self._down.is_set()
+
+    @property
+    def cost(self) -> float:
+        with self._cost_lock:
+            return self._cost
+
     def interval(self) -> float:
         """Seconds between RAM snapshots (module docstring)."""
         if self.every is not None:
             return self.every
         return max(RAM_FLOOR, self.cost / RAM_SHARE)
 
-    def stand_down(self, why: str) -> None:
-        if self.active:
+    def stand_down(self, why: str | None = None) -> None:
+        """Off for good, with ``why`` said once (None: said elsewhere, as the memory budget's
+        line does)."""
+        if why is not None and self.active:
             logger.warning("smartckpt: %s", why)
-        self.active = False
+        self._down.set()
 
     def _unmap(self, i: int) -> None:
         slot = self.slots[i]

@@ -61,6 +61,12 @@ logger = logging.getLogger(__name__)
 class SavePath:
     """The manager's save methods (module docstring)."""
 
+    @property
+    def last_commit(self) -> CommitInfo | None:
+        """The newest checkpoint this manager committed (the save thread sets it)."""
+        with self._stats_lock:
+            return self._last_commit
+
     settings: Settings
     store: StoreDir
     _coord: Coordinator
@@ -82,6 +88,7 @@ class SavePath:
     _unchanged: Unchanged
     _stats_lock: threading.Lock
     _unjournalled: list[dict[str, Any]]
+    _journal_flush: threading.Lock
     _pruned_seen: int
     _last_loss: torch.Tensor | float | None
     _ram: RamTier | None
@@ -94,7 +101,8 @@ class SavePath:
     _check: ResumeCheck
     _ahead: tuple[int, Any, Any, Any] | None
     lineage: str | None
-    last_commit: CommitInfo | None
+    _last_commit: CommitInfo | None
+    _news: Any  # queue.SimpleQueue[str]: "commit" / "failure", from the save thread to the loop
 
     _uncalm: Callable[[], None]  # stepping.py
     _plan_budget: Callable[[Any], Any]  # staging.py
@@ -322,7 +330,8 @@ class SavePath:
         except Exception as err:
             self._save_failed(snap.step, err)
             raise  # held by the handle (SaveHandle.error); wait() never raises it
-        self.last_commit = info
+        with self._stats_lock:
+            self._last_commit = info
         # what the next save may reference (engine/unchanged.py), and what changed behind its back
         if snap.fingerprints:
             self._unchanged.committed(snap.fingerprints, info.entries)
@@ -340,8 +349,7 @@ class SavePath:
                 ", ".join(repaired[:5]),
             )
             self._journal_event({"event": "blob_repaired", "step": snap.step, "blobs": repaired[:100]})
-        if self._unjournalled:
-            self._journal_event()  # what could not be written while the disk was full
+        self._journal_event()  # what could not be written while the disk was full (if any)
         heartbeat.trouble("SAVE_FAILING", False)  # saves work again (smartckpt run's status line)
         for observer in self._observers:
             try:
@@ -350,6 +358,7 @@ class SavePath:
                 logger.warning("after the commit of step %d: %s: %s", snap.step, type(observer).__name__, err)
         with self._stats_lock:
             self._stats.commits += 1
+        self._news.put("commit")  # the loop asks its policy again at its next step
         self._schedule.committed(
             snap.step,
             snap_time,
@@ -387,6 +396,7 @@ class SavePath:
             seen = self._stats.causes.get(cause, 0)
             self._stats.causes[cause] = seen + 1
             count = len(self._stats.failures)
+        self._news.put("failure")
         self._schedule.failed()
         if seen == 0:
             logger.error("%s (training continues; the next trigger tries again)", msg)
@@ -405,23 +415,31 @@ class SavePath:
     def _journal_event(self, event: dict[str, Any] | None = None) -> None:
         """Append ``event`` (a failure, an I/O problem) to the journal, after any that could not
         be written before: the journal may be on the very disk that is full. Kept (the newest
-        100) until the journal takes them; never raises."""
+        100) until the journal takes them; never raises. One writer at a time: the loop and the
+        save thread may both get here, and whoever holds ``_journal_flush`` writes what is
+        pending (the other's event included, or the next call does), so no line is written twice."""
         with self._stats_lock:
             if event is not None:
                 event = {**event, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                 self._unjournalled.append(event)
                 del self._unjournalled[:-100]
-            todo = list(self._unjournalled)
-        done = 0
+        if not self._journal_flush.acquire(blocking=False):
+            return
         try:
-            for ev in todo:
-                self.store.journal.append(ev)
-                done += 1
-        except Exception as err:  # logged where the failure itself was reported
-            logger.debug("%d event(s) wait for the journal: %s", len(todo) - done, err)
-        with self._stats_lock:
-            written = {id(ev) for ev in todo[:done]}
-            self._unjournalled = [ev for ev in self._unjournalled if id(ev) not in written]
+            with self._stats_lock:
+                todo = list(self._unjournalled)
+            done = 0
+            try:
+                for ev in todo:
+                    self.store.journal.append(ev)
+                    done += 1
+            except Exception as err:  # logged where the failure itself was reported
+                logger.debug("%d event(s) wait for the journal: %s", len(todo) - done, err)
+            with self._stats_lock:
+                written = {id(ev) for ev in todo[:done]}
+                self._unjournalled = [ev for ev in self._unjournalled if id(ev) not in written]
+        finally:
+            self._journal_flush.release()
 
     def _retain(self) -> None:
         leader = self._coord.collects_garbage()  # the lowest rank of every disk

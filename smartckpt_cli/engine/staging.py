@@ -95,7 +95,7 @@ class StagingPrep:
             self._pager = None
         else:
             if self._ram is not None:
-                self._ram.active = False  # said in the plan's line
+                self._ram.stand_down()  # said in the plan's line
             if self._pager is None or self._pager.piece != plan.piece:
                 self._pager = Pager(plan.piece, chunk)
         return plan

@@ -77,6 +77,9 @@ class StepPath:
     _clock: StepClock
     _quiet: tuple[float, float]
     _quiet_commits: int
+    _news: Any  # queue.SimpleQueue[str] (manager.py)
+    _commits_seen: int
+    _failures_seen: tuple[int, str | None]
     _wish: Decision | None
     _eval_cost: float
     _prepare: bool
@@ -151,7 +154,8 @@ class StepPath:
             and self._pre_reading is None
             and self._pre_saved is None
             and self._preempt.pending is None
-            and self._stats.commits == self._quiet_commits
+            and self._news.empty()
+            and self._commits_seen == self._quiet_commits
         ):
             # Nothing can happen at this step: no evaluation at the next one, no signal, no
             # decision step, the policy cannot save yet. Each line of Python here costs about a
@@ -164,9 +168,23 @@ class StepPath:
             if step >= self._keep_from and loss is not None:
                 self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
                 self._signals.add_loss(self._last_loss if loss_scale is None else loss / loss_scale)
-            failed = self._stats.failures
-            return StepResult(failures=len(failed), last_error=failed[-1] if failed else None)
+            return StepResult(failures=self._failures_seen[0], last_error=self._failures_seen[1])
+        self._take_news()
         return self._boundary_step(step, loss, loss_scale, can_save, now)
+
+    def _take_news(self) -> None:
+        """What the save thread said since the last step (engine/saving.py puts a "commit" or a
+        "failure"): commits counted here, the failures read under the lock they are kept under."""
+        failed = False
+        while not self._news.empty():
+            if self._news.get_nowait() == "commit":
+                self._commits_seen += 1
+            else:
+                failed = True
+        if failed:
+            with self._stats_lock:
+                n = len(self._stats.failures)
+                self._failures_seen = (n, self._stats.failures[-1] if n else None)
 
     def _boundary_step(
         self,
@@ -286,7 +304,7 @@ class StepPath:
             or self._preempt.pending is not None
             or step >= self._quiet[0]
             or now >= self._quiet[1]
-            or self._stats.commits != self._quiet_commits
+            or self._commits_seen != self._quiet_commits
             or step >= self._coord.next_point
         ):
             t0 = time.monotonic()
@@ -390,7 +408,7 @@ class StepPath:
             self._last_reading = reading
         quiet = getattr(self.policy, "quiet_until", None)
         self._quiet = quiet(ctx) if quiet is not None else (step, ctx.now)
-        self._quiet_commits = self._stats.commits
+        self._quiet_commits = self._commits_seen
         if not decision.save and self._wish is not None:
             decision = self._wish
         return decision
@@ -404,7 +422,8 @@ class StepPath:
             step < self._record_until
             and self._pre_reading is None
             and self._preempt.pending is None
-            and self._stats.commits == self._quiet_commits
+            and self._news.empty()
+            and self._commits_seen == self._quiet_commits
         ):
             # the step call comes up to a step later (zero-code: the next pre-hook)
             return time.monotonic() + 2.0 * self._clock.seconds >= min(self._quiet[1], self._ram_due)
