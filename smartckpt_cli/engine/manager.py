@@ -45,7 +45,9 @@ import torch
 from smartckpt_cli.config import Settings, load_settings
 from smartckpt_cli.engine import heartbeat
 from smartckpt_cli.engine.cadence import StepClock
+from smartckpt_cli.engine.calm import CalmPath
 from smartckpt_cli.engine.coordinator import make_coordinator
+from smartckpt_cli.engine.handover import HandOverPath
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
 from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
@@ -105,7 +107,9 @@ def _announce(manager: Any) -> None:
         fn(manager)
 
 
-class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePath, RestorePath):
+class CheckpointManager(
+    StepPath, CalmPath, PreHookPath, StagingPrep, SavePath, HandOverPath, RamSavePath, RestorePath
+):
     """Checkpoints registered objects into a store directory (see module docstring).
 
     Arguments left as ``None`` come from the settings: ``./smartckpt.yaml`` (or ``config``),
@@ -189,11 +193,9 @@ class CheckpointManager(StepPath, PreHookPath, StagingPrep, SavePath, RamSavePat
         self._clock = StepClock()
         self._quiet: tuple[float, float] = (-math.inf, -math.inf)
         self._quiet_commits = -1
-        # What the save thread tells the loop (engine/saving.py): "commit" or "failure", one
-        # item each; the loop takes them at its next step that is not the fast path.
-        self._news: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._commits_seen = 0  # commits the loop has taken from _news
-        self._failures_seen: tuple[int, str | None] = (0, None)  # their count and the newest
+        self._news: queue.SimpleQueue[str] = queue.SimpleQueue()  # "commit"/"failure" from the save thread
+        self._commits_seen = 0  # commits the loop took from _news (off the fast path: _take_news)
+        self._failures_seen: tuple[int, str | None] = (0, None)  # the failures' count and the newest
         self._wish: Decision | None = None  # a save asked for, waiting for a step that can take it
         self._eval_cost = 0.0  # host seconds of the evaluation in progress
         self._prepare = False  # prepare the staging buffers at the next step

@@ -66,7 +66,7 @@ class RestorePath:
     resume_limits: list[str]
     lineage: str | None
     wait: Callable[[], Any]
-    _uncalm: Callable[[], None]  # stepping.py
+    _uncalm: Callable[[], None]  # calm.py
 
     def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
         """The newest committed checkpoint that verifies, loaded but not applied (None when the

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,7 @@ from smartckpt_cli.engine.pager import Pager
 from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
-from smartckpt_cli.engine.resumecheck import NextStepSlot, ResumeCheck, Values, capture, grad_sumsq
+from smartckpt_cli.engine.resumecheck import ResumeCheck, Values, capture, grad_sumsq
 from smartckpt_cli.engine.savehandle import SaveHandle, SaveStats, failure_cause, peer_gone
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager, staging_specs, take_snapshot
@@ -104,7 +104,9 @@ class SavePath:
     _last_commit: CommitInfo | None
     _news: Any  # queue.SimpleQueue[str]: "commit" / "failure", from the save thread to the loop
 
-    _uncalm: Callable[[], None]  # stepping.py
+    _uncalm: Callable[[], None]  # calm.py
+    _hand_over: Callable[..., SaveHandle]  # handover.py
+    _hand_over_checkpoint: Callable[..., SaveHandle]  # handover.py
     _plan_budget: Callable[[Any], Any]  # staging.py
     _budgeted: bool
     _settle_slot: Callable[[Any, int], None]  # ramsave.py
@@ -247,60 +249,6 @@ class SavePath:
         if ahead is not None and ahead[0] == step + 1:
             return capture(step + 1, ahead[1], ahead[2], grad_sumsq(ahead[3]))
         return None
-
-    def _hand_over_checkpoint(
-        self, snap: Any, step: int, t0: float, healthy: bool, next_step: Values | None
-    ) -> SaveHandle:
-        """A checkpoint to the save thread; the trigger's schedule moves to it."""
-        slot: NextStepSlot | None = None
-        if next_step is None:  # taken at step(step + 1): into the manifest if still in time, else the journal
-            slot = NextStepSlot()
-            snap.before_manifest = slot.close
-        snap_time = time.monotonic()
-        self._trace.flush()
-        if healthy:
-            self._schedule.taken(step, snap_time)
-        if snap.guards:
-            self._lazy_snapshot = snap
-        # The schedule moved: ask the policy at the next step; that step's time is not a step's.
-        self._quiet, self._wish = (-math.inf, -math.inf), None
-        self._clock.skip()
-        self._uncalm()
-        handle = self._hand_over(snap, t0, snap_time=snap_time, next_step=next_step)
-        if next_step is None:
-            self._check.expect(step + 1, handle, slot)
-        return handle
-
-    def _hand_over(
-        self,
-        snap: Any,
-        t0: float,
-        *,
-        snap_time: float = 0.0,
-        ram_only: bool = False,
-        next_step: Values | None = None,
-    ) -> SaveHandle:
-        """The snapshot to the save thread: a RAM snapshot alone (``ram_only``: hashed and
-        recorded, nothing written to disk; the disk's schedule does not move) or a checkpoint."""
-        future: Future[Any]
-        if ram_only:
-            if snap.guards:
-                self._lazy_snapshot = snap
-            self._clock.skip()
-            self._uncalm()
-            future = self._saver.submit(self._persist_ram, snap, next_step)
-        else:
-            future = self._saver.submit(self._persist, snap, snap_time, next_step)
-        if self._ram is not None:
-            self._ram_due = time.monotonic() + self._ram.interval()
-        handle = SaveHandle(snap.step, future, snap)
-        if snap.pager is not None:
-            # In pieces (engine/pager.py): what no optimizer step guards may change at once, so
-            # the call waits until the writer copied it (all of it on the eager path).
-            (snap.early if snap.guards else snap.copied).wait()
-        handle.blocking_seconds = snap.blocking_seconds = time.perf_counter() - t0
-        self._inflight = handle
-        return handle
 
     def _guarded_params(self) -> set[int]:
         return {

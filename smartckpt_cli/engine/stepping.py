@@ -80,6 +80,7 @@ class StepPath:
     _news: Any  # queue.SimpleQueue[str] (manager.py)
     _commits_seen: int
     _failures_seen: tuple[int, str | None]
+    _calm_after: Callable[[int], None]  # calm.py
     _wish: Decision | None
     _eval_cost: float
     _prepare: bool
@@ -370,33 +371,6 @@ class StepPath:
         except Exception as err:  # the check never breaks the training step
             logger.warning("resume check skipped at step %d: %s", step, err)
 
-    def _calm_after(self, step: int) -> None:
-        """Until which step and time nothing can happen (the fast path of ``step``): the first
-        step whose loss the next evaluation keeps, the policy's quiet step and time, the next
-        decision step of several ranks, the next heartbeat; nothing while a reading, a wish or a
-        preparation is pending."""
-        sig = self._signals
-        self._next_eval = sig.next_due(step + 1)
-        if sig.pending or self._wish is not None or self._prepare:
-            self._calm_step, self._calm_time, self._record_until = -1, -math.inf, -1
-            return
-        # the losses of the window are kept on the fast path; the step before the evaluation arms
-        # its statistics (and captures the boundary a precursor would save)
-        self._keep_from = self._next_eval - self._signals.window - 1
-        calm = min(float(self._next_eval - 1), self._quiet[0], self._coord.next_point)
-        if self._check.step >= 0:
-            calm = min(calm, float(self._check.step))  # that step takes the resume check's values
-        self._calm_step = int(calm) if math.isfinite(calm) else 1 << 62
-        self._calm_time = min(self._quiet[1], self._ram_due)
-        # may_save: the step before the evaluation (a save before its update) and the evaluation
-        # step (its reading) may save, as may the policy's quiet step and a decision step
-        self._record_until = self._calm_step
-
-    def _uncalm(self) -> None:
-        """The schedule moved (a save, a restore, a registration): the next step looks again."""
-        self._calm_step, self._calm_time, self._next_eval = -1, -math.inf, -1
-        self._keep_from, self._record_until = 1 << 62, -1
-
     def _busy(self) -> bool:
         return self._inflight is not None and not self._inflight.done() and self.settings.inflight == "skip"
 
@@ -412,22 +386,6 @@ class StepPath:
         if not decision.save and self._wish is not None:
             decision = self._wish
         return decision
-
-    def may_save(self, step: int) -> bool:
-        """Whether :meth:`step` for ``step`` (or a save before the next step's update) might
-        take a save; True whenever in doubt. A caller that prepares what a save of ``step``
-        reads (zero-code mode records the boundary's RNG, data position and buffers) may skip
-        that when this is False, and calls ``step(step, ..., can_save=False)``."""
-        if (
-            step < self._record_until
-            and self._pre_reading is None
-            and self._preempt.pending is None
-            and self._news.empty()
-            and self._commits_seen == self._quiet_commits
-        ):
-            # the step call comes up to a step later (zero-code: the next pre-hook)
-            return time.monotonic() + 2.0 * self._clock.seconds >= min(self._quiet[1], self._ram_due)
-        return True
 
     def _context(self, step: int, reading: SignalReading | None) -> TriggerContext:
         now = self._schedule.view()  # one consistent reading: the save thread updates it
