@@ -382,7 +382,7 @@ def public_settings(settings: Settings) -> dict[str, Any]:
     for f in dataclasses.fields(Settings):
         value = getattr(settings, f.name)
         if f.name == "remote" and value:  # a URL may carry credentials: never write them
-            from smartckpt_cli.remote.backend import display_url
+            from smartckpt_cli.remote.replica import display_url
 
             value = display_url(value)
         out[f.name] = _plain(value)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from smartckpt_cli.errors import UnsafePathError
-from smartckpt_cli.remote.backend import DirRemote, FsspecRemote, Limiter
+from smartckpt_cli.remote.replica import open_remote
 from smartckpt_cli.store.journal import fold
 from smartckpt_cli.store.names import (
     InvalidName,
@@ -22,6 +22,7 @@ from smartckpt_cli.store.names import (
     parse_marker,
 )
 from smartckpt_cli.store.storage import LocalStorage
+from smartckpt_cli.store.storage.objects import ObjectStorage
 from tests._names import HASH, cid, commit
 
 BAD_RELS = [
@@ -140,24 +141,24 @@ def test_local_storage_refuses_paths_and_symlinks_outside(tmp_path: Path) -> Non
 def test_remotes_refuse_names_outside_their_prefix(tmp_path: Path) -> None:
     (tmp_path / "outside").mkdir()
     (tmp_path / "outside" / "m.json").write_text("keep")
-    remote = DirRemote(f"file://{tmp_path / 'bucket' / 'prefix'}")
+    remote = open_remote(f"file://{tmp_path / 'bucket' / 'prefix'}")
     for rel in [
         "../../outside/m.json",
         "manifests/../../../outside/m.json",
         str(tmp_path / "outside" / "m.json"),
     ]:
         with pytest.raises(UnsafePathError):
-            remote.get(rel)
+            remote.read(rel)
         with pytest.raises(UnsafePathError):
-            remote.put(rel, b"x", part_bytes=1 << 20, limiter=Limiter(0))
+            remote.write(rel, b"x")
         with pytest.raises(UnsafePathError):
             remote.remove(rel)
     os.makedirs(tmp_path / "bucket" / "prefix")
     (tmp_path / "bucket" / "prefix" / "journal").symlink_to(tmp_path / "outside")
     with pytest.raises(UnsafePathError):
-        remote.put("journal/m.json", b"x", part_bytes=1 << 20, limiter=Limiter(0))
+        remote.write("journal/m.json", b"x")
     assert (tmp_path / "outside" / "m.json").read_text() == "keep"
-    fs = FsspecRemote("memory://KEY:SE/CRET@bucket/prefix")
+    fs = ObjectStorage("memory://KEY:SE/CRET@bucket/prefix")
     assert fs.base == "bucket/prefix"  # the secret is not part of the object names
     with pytest.raises(UnsafePathError):
-        fs.get("../other-prefix/x")
+        fs.read("../other-prefix/x")

@@ -11,8 +11,7 @@ import torch
 import smartckpt_cli as sc
 from smartckpt_cli.config import load_settings
 from smartckpt_cli.engine.observers import CheckpointSource, CommitObserver, LocalSource, open_tiers
-from smartckpt_cli.remote.backend import open_remote
-from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.remote.replica import open_remote, replica_journal
 from smartckpt_cli.remote.tier import RemoteTier
 from smartckpt_cli.store.directory import open_store
 
@@ -42,7 +41,7 @@ def test_manager_tells_the_remote_tier_of_its_commits(tmp_path: Path) -> None:
         mgr.save(1, blocking=True)
         mgr.save(2, blocking=True)
     # close() (on_close) drained the uploader that on_start started and on_commit woke
-    state = RemoteJournal(open_remote(url)).read()
+    state = replica_journal(open_remote(url)).read()
     assert sorted(r.step for r in state.records if r.live) == [1, 2]
     assert state.store_id == mgr.store_id
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from smartckpt_cli.config import load_settings, parse_size
-from smartckpt_cli.remote.backend import open_remote
-from smartckpt_cli.remote.check import verify_remote
-from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.ops.verify import verify
+from smartckpt_cli.remote.check import reach
+from smartckpt_cli.remote.replica import open_remote, replica_journal
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.journal import Journal
 from smartckpt_cli.store.names import InvalidName, ram_area
@@ -409,9 +409,9 @@ def test_a_flash_persist_no_attempt_follows_goes_to_the_remote_when_the_run_ends
         f"flash persist: step {ram_step} is on the remote {url} now"
     ), lines
     rem = open_remote(url)
-    state = RemoteJournal(rem).read()
+    state = replica_journal(rem).read()
     assert [r.step for r in state.live()] == [ram_step]
-    (check,) = verify_remote(rem, state, step=ram_step)
+    (check,) = verify(reach(url), step=ram_step).results
     assert check.ok, check
 
 

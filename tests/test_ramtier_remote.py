@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from smartckpt_cli.remote.check import connect, verify_remote
+from smartckpt_cli.ops.verify import verify
+from smartckpt_cli.remote.check import connect, reach
 from tests._s3 import MotoServer, client, free_port, s3_env
 from tests._state import assert_same_state
 
@@ -64,9 +65,9 @@ def _run(tmp: Path, env: dict[str, str], url: str, *script_args: str) -> tuple[i
 
 def _remote_checks(url: str, step: int) -> tuple[list[int], list]:
     """The remote's live steps, and ``step``'s copy verified there (every blob re-hashed)."""
-    remote, _, state = connect(url)
+    _, _, state = connect(url)
     live = sorted(r.step for r in state.live())
-    return live, verify_remote(remote, state, step=step)
+    return live, verify(reach(url), step=step).results
 
 
 def test_a_restart_follows_its_uploader_ships_the_flash_persisted_checkpoint(tmp_path, child_env, s3):
@@ -163,9 +164,9 @@ def test_two_ranks_no_restart_follows_both_parts_reach_the_remote(tmp_path, chil
     (only,) = json.loads(path.read_text())["attempts"]
     step = only["flash_persisted"]
     assert step is not None and 0 < step <= 30, said
-    remote, _, state = connect(url)
+    _, _, state = connect(url)
     (rec,) = [r for r in state.live() if r.step == step]
     assert rec.world_size == 2, rec
-    (check,) = verify_remote(remote, state, step=step)
+    (check,) = verify(reach(url), step=step).results
     assert check.ok, check
     assert f"flash persist: step {step} is on the remote s3://" in said, said

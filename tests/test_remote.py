@@ -11,6 +11,7 @@ checkpoint that restore accepts; no secret is ever written anywhere.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -22,9 +23,8 @@ import torch
 
 from smartckpt_cli import CheckpointManager
 from smartckpt_cli.ops.demo_train import build
-from smartckpt_cli.remote.backend import open_remote
 from smartckpt_cli.remote.check import STATUS_FILE
-from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.remote.replica import open_remote, replica_journal
 from smartckpt_cli.store.directory import open_store
 from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
 from tests._state import assert_same_state
@@ -80,7 +80,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float = 180) -> subproces
 
 
 def _remote_steps(url: str) -> list[int]:
-    state = RemoteJournal(open_remote(url)).read()
+    state = replica_journal(open_remote(url)).read()
     return sorted(r.step for r in state.live())
 
 
@@ -296,7 +296,8 @@ def test_verify_remote_detects_a_lost_object(tmp_path, python, child_env):
     blob.unlink()  # the object store lost an object
     bad = _run([*cli, "verify", str(tmp_path / "store"), "--remote", url], child_env)
     assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert f"CORRUPT: missing blob {blob.name}" in bad.stdout
+    # the same line as a local verify's: which entry lost which blob
+    assert re.search(rf"remote step 5 \(\w+\): CORRUPT: .*missing blob {blob.name}", bad.stdout), bad.stdout
     assert "Traceback" not in bad.stderr
 
 
@@ -387,3 +388,43 @@ def test_sigkill_mid_multipart_never_yields_a_remote_checkpoint(s3, tmp_path, py
         env,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_verify_and_inspect_read_a_replica_by_its_url_as_they_read_a_directory(
+    remote, tmp_path, python, child_env
+):
+    """One verify: `smartckpt verify URL` runs the local verify over the replica's backend (an
+    object store or a directory); inspect lists it; prune by URL is refused in one line."""
+    url, extra, _ = remote
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    with CheckpointManager(tmp_path / "store", remote=url, keep_last=5, remote_close_wait=60) as mgr:
+        mgr.register(model=model)
+        for step in (3, 4):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, blocking=True)
+    env = {**child_env, **extra}
+    cli = [python, "-m", "smartckpt_cli.cli.app"]
+    ok = _run([*cli, "verify", url, "--all"], env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert re.findall(r"^step (\d+) \(\w+\): ok$", ok.stdout, re.M) == ["4", "3"], ok.stdout
+    listed = _run([*cli, "inspect", url, "--json"], env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert sorted(r["step"] for r in json.loads(listed.stdout)["checkpoints"]) == [3, 4], listed.stdout
+    local = _run([*cli, "inspect", str(tmp_path / "store"), "--json"], env)
+    assert json.loads(local.stdout)["store_id"] == json.loads(listed.stdout)["store_id"]
+    # the replica loses a blob: the same line as a local verify's, exit 1
+    store = open_store(tmp_path / "store")
+    bid = sorted(store.blobs.all_ids())[0]
+    replica = open_remote(url)
+    replica.remove(f"blobs/{bid[:2]}/{bid}")
+    bad = _run([*cli, "verify", url, "--all"], env)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert f"missing blob {bid}" in bad.stdout and "Traceback" not in bad.stderr, bad.stdout + bad.stderr
+    refused = _run([*cli, "prune", url, "--keep", "1"], env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.count("\n") == 1 and "--remote" in refused.stderr, refused.stderr
+    assert sorted(r.step for r in replica_journal(replica).read().live()) == [3, 4]  # nothing removed
+    nothing = _run([*cli, "verify", f"{url}-none"], env)
+    assert nothing.returncode == 2 and "no journal" in nothing.stderr, nothing.stdout + nothing.stderr

@@ -9,12 +9,14 @@ import pytest
 
 from smartckpt_cli.config import load_settings
 from smartckpt_cli.errors import ConfigError
-from smartckpt_cli.remote.backend import DirRemote, Limiter, display_url, open_remote
 from smartckpt_cli.remote.check import upload_lag
 from smartckpt_cli.remote.fetch import restore_order
+from smartckpt_cli.remote.replica import display_url, open_remote, replica_journal
 from smartckpt_cli.remote.replicator import plan_round
-from smartckpt_cli.remote.rjournal import JOURNAL_DIR, RemoteJournal, object_name, parse_name
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
+from smartckpt_cli.store.log import JOURNAL_DIR, object_name
+from smartckpt_cli.store.names import journal_object
+from smartckpt_cli.store.storage import Limiter
 from tests._names import HASH, commit
 from tests._names import cid as make_cid
 
@@ -66,9 +68,8 @@ def test_plan_round_uploads_missing_in_commit_order_and_withdraws_rollbacks():
         [],
         [],
     )
-    from smartckpt_cli.remote.rjournal import RemoteState
 
-    remote = RemoteState(STORE, [rec(10, 1), rec(20, 2)], [], 3)
+    remote = JournalState(STORE, [rec(10, 1), rec(20, 2)], [], [], next_seq=3)
     plan = plan_round(local, remote)
     assert [r.step for r in plan.upload] == [30, 50]  # pruned 40 is gone locally: never shipped
     assert [r.step for r in plan.withdraw] == [20]
@@ -78,6 +79,11 @@ def test_plan_round_uploads_missing_in_commit_order_and_withdraws_rollbacks():
 def test_upload_lag_is_live_local_not_remote():
     local = [rec(10, 1), rec(20, 2), rec(30, 3, pruned=True)]
     assert [r.step for r in upload_lag(local, {make_cid("id10")})] == [20]
+
+
+def parse_name(name):
+    obj = journal_object(name)
+    return None if obj is None else (obj.seq, obj.event)
 
 
 def test_object_names_sort_in_sequence_and_parse_back():
@@ -91,12 +97,12 @@ def test_object_names_sort_in_sequence_and_parse_back():
 
 
 def test_remote_journal_replays_and_skips_a_damaged_object(tmp_path):
-    remote = DirRemote(f"file://{tmp_path}")
-    j = RemoteJournal(remote)
-    j.init(STORE)
+    remote = open_remote(f"file://{tmp_path}")
+    j = replica_journal(remote)
+    j.create(STORE)
     for seq, r in enumerate([rec(10, 1), rec(20, 2)], start=1):
-        j.write(seq, dict(r.event), tag=r.id)
-    j.write(3, {"event": "prune", "ids": [make_cid("id10")]})
+        j.append(dict(r.event), seq=seq, tag=r.id)
+    j.append({"event": "prune", "ids": [make_cid("id10")]}, seq=3)
     damaged = tmp_path / JOURNAL_DIR / object_name(4, "commit", "bad0bad0bad0")
     damaged.write_bytes(b'{"event":"commit","step":99,"crc":"0"}\n')
     state = j.read()

@@ -22,8 +22,8 @@ import torch
 
 from smartckpt_cli.cli.inspect_cmd import _remote_line
 from smartckpt_cli.cli.run import _remote_cell
-from smartckpt_cli.remote.backend import open_remote
-from smartckpt_cli.remote.check import merge_status, prune_remote, read_status, remote_summary, verify_remote
+from smartckpt_cli.ops.verify import verify
+from smartckpt_cli.remote.check import merge_status, prune_remote, reach, read_status, remote_summary
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.parts import (
     PARTS_DIR,
@@ -33,7 +33,7 @@ from smartckpt_cli.remote.parts import (
     status_name,
     still_pending,
 )
-from smartckpt_cli.remote.rjournal import RemoteJournal
+from smartckpt_cli.remote.replica import open_remote, replica_journal
 from smartckpt_cli.store.directory import open_store
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest, fold
 from tests._names import cid as _cid
@@ -165,7 +165,7 @@ def _aws(env: dict[str, str]) -> Iterator[None]:
 
 def _remote_commits(url: str, env: dict[str, str]) -> list[CheckpointRecord]:
     with _aws(env):
-        return sorted(RemoteJournal(open_remote(url)).read().live(), key=lambda r: r.step)
+        return sorted(replica_journal(open_remote(url)).read().live(), key=lambda r: r.step)
 
 
 def _markers(port: int, bucket: str) -> set[str]:
@@ -324,23 +324,23 @@ def _verify_and_prune_every_part(url: str, env: dict[str, str]) -> None:
     step's part on any rank references."""
     with _aws(env):
         remote = open_remote(url)
-        journal = RemoteJournal(remote)
-        checks = verify_remote(remote, journal.read(), all_checkpoints=True)
+        journal = replica_journal(remote)
+        checks = verify(reach(url), all_checkpoints=True).results
         assert len(checks) >= 2 and all(c.ok for c in checks), checks
         plan = prune_remote(remote, journal, 1)
         assert len(plan.keep) == 1 and plan.remove
         state = journal.read()
-        checks = verify_remote(remote, state, all_checkpoints=True)
+        checks = verify(reach(url), all_checkpoints=True).results
         assert len(checks) == 1 and checks[0].ok, checks
         kept = state.live()[0]
         parts = kept.event["parts"]
-        ids = [set(manifest_blob_ids(decode_manifest(remote.get(p[0]), p[0]))) for p in parts]
+        ids = [set(manifest_blob_ids(decode_manifest(remote.read(p[0]), p[0]))) for p in parts]
         only_rank1 = sorted(ids[1] - ids[0])
         assert only_rank1  # rank 1's own state (its RNG) is in its part only
         for rel in [p[0] for rec in plan.remove for p in rec.event["parts"]]:
             assert not remote.exists(rel)  # every part manifest of a pruned step is gone
         remote.remove(f"blobs/{only_rank1[0][:2]}/{only_rank1[0]}")
-        bad = verify_remote(remote, journal.read(), all_checkpoints=True)
+        bad = verify(reach(url), all_checkpoints=True).results
         assert not bad[0].ok and only_rank1[0] in (bad[0].problem or "")
 
 
@@ -471,8 +471,7 @@ def test_zero_code_under_smartckpt_run_and_torchrun_ships_every_part_and_resumes
     assert commits and commits[-1].step == TOTAL, [r.step for r in commits]  # the final save too
     assert all(len(r.event["parts"]) == 2 and r.event["world_size"] == 2 for r in commits)
     with _aws(env):
-        remote = open_remote(url)
-        checks = verify_remote(remote, RemoteJournal(remote).read(), all_checkpoints=True)
+        checks = verify(reach(url), all_checkpoints=True).results
     assert checks and all(c.ok for c in checks), checks
 
     shutil.rmtree(tmp_path / "ck")

@@ -38,6 +38,15 @@ DirArg = Annotated[
     Path, typer.Argument(help="Checkpoint store directory.", show_default=False, readable=False)
 ]
 
+# verify, inspect and prune read a store in a directory or at a URL (a replica: s3://, file://).
+StoreArg = Annotated[
+    str,
+    typer.Argument(
+        help="Checkpoint store: a directory, or the URL of a replica (s3://bucket/prefix, file:///path).",
+        show_default=False,
+    ),
+]
+
 MetaDirOpt = Annotated[
     Path | None,
     typer.Option(
@@ -58,13 +67,17 @@ RemoteOpt = Annotated[
 ]
 
 
-def open_checkpoints(directory: Path, meta_dir: Path | None) -> Any:
-    """The store of ``directory`` (``open_store``); a directory with run records but no store
-    raises :class:`NothingCheckpointedError` saying so (exit 1), instead of "not a store"."""
+def open_checkpoints(where: str | Path, meta_dir: Path | None) -> Any:
+    """The store of a directory or a URL (``open_store``); a directory with run records but no
+    store raises :class:`NothingCheckpointedError` saying so (exit 1), instead of "not a store"."""
     from smartckpt_cli.errors import NotAStoreError, NothingCheckpointedError
     from smartckpt_cli.store.directory import open_store
+    from smartckpt_cli.store.storage import is_url
     from smartckpt_cli.supervise.records import runs_without_checkpoints
 
+    if isinstance(where, str) and is_url(where):
+        return open_store(where, meta_dir)
+    directory = Path(where)
     try:
         return open_store(directory, meta_dir)
     except NotAStoreError:

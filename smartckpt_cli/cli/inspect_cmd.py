@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from smartckpt_cli.cli._shared import (
-    DirArg,
     MetaDirOpt,
     RemoteOpt,
+    StoreArg,
     fitted_table,
     human,
     open_checkpoints,
@@ -30,7 +29,7 @@ __all__ = ["inspect"]
 
 
 def inspect(
-    directory: DirArg,
+    directory: StoreArg,
     step: Annotated[
         int | None, typer.Option("--step", help="Show this checkpoint's manifest, tensor by tensor.")
     ] = None,
@@ -87,7 +86,7 @@ def inspect(
     _render_catalog(directory, catalog, remote_view)
 
 
-def _render_catalog(directory: Path, catalog: Catalog, remote_view: dict[str, object] | None) -> None:
+def _render_catalog(directory: str, catalog: Catalog, remote_view: dict[str, object] | None) -> None:
     """The table, then one line per thing an operator should know: lineages, resume checks,
     journal problems, failures, the remote's lag, damage; exit 1 for checkpoints the journal lost."""
     _print_table(directory, catalog)
@@ -111,7 +110,7 @@ def _render_catalog(directory: Path, catalog: Catalog, remote_view: dict[str, ob
         raise typer.Exit(1)  # checkpoints the journal lost: not a sound store
 
 
-def _print_table(directory: Path, catalog: Catalog) -> None:
+def _print_table(directory: str, catalog: Catalog) -> None:
     console = out()
     several = len(catalog.lineages) > 1
     columns = [
@@ -225,7 +224,7 @@ def _remote_view(store: object, url: str | None) -> dict[str, object] | None:
 
     assert isinstance(store, StoreDir)
     if url is None:
-        return read_status(store.meta_root)
+        return None if store.url is not None else read_status(store.meta_root)
     state = store.journal.read()
     return remote_summary(state.records, state.store_id, url)
 

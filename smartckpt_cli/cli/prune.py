@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from smartckpt_cli.cli._shared import DirArg, MetaDirOpt, RemoteOpt, human, progress_bar, say
+from smartckpt_cli.cli._shared import MetaDirOpt, RemoteOpt, StoreArg, human, progress_bar, say
 
 if TYPE_CHECKING:
     from smartckpt_cli.ops.prune import PruneResult
@@ -17,7 +18,7 @@ __all__ = ["prune"]
 
 
 def prune(
-    directory: DirArg,
+    directory: StoreArg,
     keep: Annotated[
         int, typer.Option("--keep", help="Live checkpoints to keep (at least 1).", show_default=False)
     ],
@@ -60,11 +61,19 @@ def prune(
          in progress
       2  bad input: not a store, --keep below 1
     """
+    from smartckpt_cli.errors import UsageError
     from smartckpt_cli.ops.catalog import active_writer
     from smartckpt_cli.ops.prune import carry_out
     from smartckpt_cli.store.directory import open_store
+    from smartckpt_cli.store.storage import is_url
 
-    store = open_store(directory, meta_dir)
+    if is_url(directory):
+        # A replica's uploader holds its lock in the local store's meta_dir: only from there can
+        # a prune know that no upload is between its blobs and its commit.
+        raise UsageError(
+            f"a replica is pruned through its store: smartckpt prune DIR --keep {keep} --remote {directory}"
+        )
+    store = open_store(Path(directory), meta_dir)
     writer = active_writer(store)
     with progress_bar("verifying the newest checkpoint") as progress:
         result = carry_out(store, keep, dry_run=dry_run, lock_timeout=wait, progress=progress)

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from smartckpt_cli.cli._shared import (
-    DirArg,
     MetaDirOpt,
     RemoteOpt,
+    StoreArg,
     human,
     open_checkpoints,
     progress_bar,
@@ -21,7 +21,6 @@ from smartckpt_cli.cli._shared import (
 
 if TYPE_CHECKING:
     from smartckpt_cli.ops.verify import VerifyReport
-    from smartckpt_cli.remote.check import RemoteCheck
 
 __all__ = ["verify"]
 
@@ -47,7 +46,7 @@ _RepairOpt = Annotated[
 
 
 def verify(
-    directory: DirArg,
+    directory: StoreArg,
     step: _StepOpt = None,
     all_: _AllOpt = False,
     as_json: _JsonOpt = False,
@@ -97,7 +96,7 @@ def verify(
     """
     report, all_ = _verify_here(directory, meta_dir, step, all_, workers, record=record, repair=repair)
     remote_results = None if remote is None else _verify_remote(remote, step, all_, workers)
-    remote_ok = remote_results is None or all(r.ok for r in remote_results)
+    remote_ok = remote_results is None or remote_results.ok
     if as_json:
         typer.echo(json.dumps(_report_json(report, remote_results), indent=2))
     else:
@@ -106,7 +105,7 @@ def verify(
 
 
 def _verify_here(
-    directory: Path,
+    directory: str,
     meta_dir: Path | None,
     step: int | None,
     all_: bool,
@@ -120,43 +119,53 @@ def _verify_here(
     from smartckpt_cli.errors import UsageError
     from smartckpt_cli.ops.verify import record_results
     from smartckpt_cli.ops.verify import verify as run_verify
+    from smartckpt_cli.store.storage import is_url
 
     if step is not None and all_:
         raise UsageError("--step and --all exclude each other")
     if repair and step is not None:
         raise UsageError("--repair checks every live checkpoint: no --step")
+    if repair and is_url(directory):
+        raise UsageError("--repair rebuilds the journal of a store in directories, not at a URL")
     if repair:
-        _repair(_open_for_repair(directory, meta_dir), workers)
+        _repair(_open_for_repair(Path(directory), meta_dir), workers)
         all_ = True
     store = open_checkpoints(directory, meta_dir)
     with progress_bar("verifying") as progress:
         report = run_verify(store, step=step, all_checkpoints=all_, workers=workers, progress=progress)
-    if record:
+    if record and store.url is None:  # nothing is written into a store named by a URL
         record_results(store, report)
     return report, all_
 
 
-def _verify_remote(url: str, step: int | None, all_: bool, workers: int) -> list[RemoteCheck]:
-    """The same checkpoints checked on the remote side (its commit, manifest and every blob)."""
-    from smartckpt_cli.remote.check import connect, verify_remote
+def _verify_remote(url: str, step: int | None, all_: bool, workers: int) -> VerifyReport:
+    """The same checkpoints checked on the replica, by the same code as here (its commits,
+    manifests, every blob re-hashed and decoded)."""
+    from smartckpt_cli.ops.verify import verify as run_verify
+    from smartckpt_cli.remote.check import reach
 
-    rem, _, rstate = connect(url)
-    return verify_remote(rem, rstate, step=step, all_checkpoints=all_, workers=max(workers, 4))
+    return run_verify(reach(url), step=step, all_checkpoints=all_, workers=max(workers, 4))
 
 
-def _report_json(report: VerifyReport, remote_results: list[RemoteCheck] | None) -> dict[str, object]:
+def _results_json(report: VerifyReport) -> list[dict[str, object]]:
+    return [{k: v for k, v in r.__dict__.items() if k != "problem"} for r in report.results]
+
+
+def _report_json(report: VerifyReport, remote: VerifyReport | None) -> dict[str, object]:
     return {
         "ok": report.ok,
-        "results": [{k: v for k, v in r.__dict__.items() if k != "problem"} for r in report.results],
+        "results": _results_json(report),
         "journal_problems": report.journal_problems,
         "unjournalled": report.unjournalled,
         "bytes_checked": report.bytes_checked,
         "seconds": round(report.seconds, 3),
-        "remote": None if remote_results is None else [r.__dict__ for r in remote_results],
+        "remote": None
+        if remote is None
+        else {"ok": remote.ok, "results": _results_json(remote), "journal_problems": remote.journal_problems},
     }
 
 
-def _say_report(report: VerifyReport, remote_results: list[RemoteCheck] | None) -> None:
+def _say_report(report: VerifyReport, remote: VerifyReport | None) -> None:
     """One line per checkpoint checked, locally then remotely, and each journal problem."""
     for r in report.results:
         # Plain lines, never wrapped: operators grep them for blob ids.
@@ -166,9 +175,11 @@ def _say_report(report: VerifyReport, remote_results: list[RemoteCheck] | None) 
         say(f"journal: {p}")
     for line in report.unjournalled:
         say(line)
-    for rr in remote_results or []:
+    for rr in remote.results if remote is not None else []:
         say(f"remote step {rr.step} ({rr.id}): " + ("ok" if rr.ok else f"CORRUPT: {rr.problem}"))
-    if remote_results == []:
+    for p in remote.journal_problems if remote is not None else []:
+        say(f"remote journal: {p}")
+    if remote is not None and not remote.results:
         say("remote: no checkpoint to verify")
     if not report.results and not report.unjournalled:
         say("no checkpoint to verify")

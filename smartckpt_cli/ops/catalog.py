@@ -25,6 +25,7 @@ from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.names import blob_rel
 from smartckpt_cli.store.scrub import ScrubBook
+from smartckpt_cli.store.storage import LocalStorage
 
 __all__ = [
     "Catalog",
@@ -262,8 +263,8 @@ def _lost(store: StoreDir) -> list[str]:
     found = store.survey()
     blocking = found.blocking
     if blocking is not None:
-        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
-    return [f.line(str(store.root), store.repair_command()) for f in found.findings]
+        raise StoreDamagedError(blocking.line(store.where, store.repair_command()))
+    return [f.line(store.where, store.repair_command()) for f in found.findings]
 
 
 def _read_manifests(
@@ -355,10 +356,18 @@ def _restore_target(
     return None
 
 
+def _blob_stat(store: StoreDir, bid: str) -> tuple[int, float | None]:
+    """A blob's size and, in a directory, when it was written (an object store: size alone)."""
+    if isinstance(store.storage, LocalStorage):
+        st = os.stat(store.storage.path(blob_rel(bid)))
+        return st.st_size, st.st_mtime
+    return store.storage.size(blob_rel(bid)), None
+
+
 def _missing_blob(store: StoreDir, blobs: dict[str, int]) -> str | None:
     for bid, size in blobs.items():
         try:
-            got = os.stat(store.storage.path(blob_rel(bid))).st_size
+            got = _blob_stat(store, bid)[0]
         except (OSError, ValueError):
             return f"blob {bid} is missing"
         if got != size:
@@ -397,7 +406,7 @@ class _BlobChecks:
             return checked, "checked"
         if bid not in self._written:
             try:
-                self._written[bid] = os.stat(self.store.storage.path(blob_rel(bid))).st_mtime
+                self._written[bid] = _blob_stat(self.store, bid)[1]
             except (OSError, ValueError):
                 self._written[bid] = None
         written = self._written[bid]
@@ -415,6 +424,8 @@ def active_writer(store: StoreDir) -> str | None:
     """Who holds the store's writer lock right now ("pid 123 on host"), or None. Read from
     /proc/locks (Linux) without touching the lock: probing it could make a run that starts at
     this moment fail to get it."""
+    if store.url is not None:
+        return None  # a URL's writer is a replicator, which holds no lock there
     path = store.meta_root / "writer.lock"
     try:
         st = path.stat()

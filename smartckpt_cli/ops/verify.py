@@ -38,6 +38,7 @@ from smartckpt_cli.store.checkpoints import read_manifest
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 from smartckpt_cli.store.scrub import ScrubBook
+from smartckpt_cli.store.storage import LocalStorage
 
 __all__ = ["VerifyReport", "VerifyResult", "check", "record_results", "select", "verify", "verify_store"]
 
@@ -144,6 +145,8 @@ class _Checker:
         return memoryview(buf)[:size]
 
     def _read(self, bid: str) -> tuple[memoryview | None, str | None]:
+        if not isinstance(self.store.storage, LocalStorage):
+            return self._fetch(bid)  # an object store: one GET
         path = self.store.storage.path(BlobStore.rel(bid))
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -167,6 +170,14 @@ class _Checker:
             return None, f"unreadable blob {bid}: {err.strerror}"
         finally:
             os.close(fd)
+
+    def _fetch(self, bid: str) -> tuple[memoryview | None, str | None]:
+        try:
+            return memoryview(self.store.storage.read(BlobStore.rel(bid))), None
+        except FileNotFoundError:
+            return None, f"missing blob {bid}"
+        except OSError as err:
+            return None, f"unreadable blob {bid}: {err.strerror or err}"
 
     def check(self, task: _Task) -> tuple[int, str | None]:
         """(encoded bytes read, the problem or None)."""
@@ -202,8 +213,8 @@ def verify(
     found = store.survey()
     blocking = found.blocking
     if blocking is not None:  # nothing in the journal to check: the one line is the answer
-        raise StoreDamagedError(blocking.line(str(store.root), store.repair_command()))
-    lost = [f.line(str(store.root), store.repair_command()) for f in found.findings]
+        raise StoreDamagedError(blocking.line(store.where, store.repair_command()))
+    lost = [f.line(store.where, store.repair_command()) for f in found.findings]
     state, _ = store.journal.read_events(consistent=True)
     chosen = select(state, step=step, all_checkpoints=all_checkpoints)
     results, checked, sound = check(store, chosen, state.store_id, workers=workers, progress=progress)
@@ -332,7 +343,8 @@ def _parts(
     out: list[tuple[int | None, CheckpointRecord]] = []
     for rank, part in enumerate(rec.parts):
         rel, mhash, part_dir = part.manifest, part.manifest_hash, part.dir_id
-        if part_dir != here and not store.storage.exists(rel):
+        # In directories, a part on another node's disk is not damage; a URL holds every part.
+        if store.url is None and part_dir != here and not store.storage.exists(rel):
             result.ranks_elsewhere.append(rank)
             continue
         result.ranks_checked.append(rank)

@@ -1,8 +1,7 @@
 """The remote side of ``inspect``, ``verify`` and ``prune``, and remote retention.
 
-Verifying a remote checkpoint is what verifying a local one is: its commit object names its
-manifest and the manifest's hash; every blob the manifest names must exist and re-hash to its
-name. Pruning writes the ``prune`` object first, then removes manifests, then every blob no
+Verifying the replica is verifying a store (``ops/verify.py`` over :func:`reach`: the same
+checks, the same lines). Pruning writes the ``prune`` object first, then removes manifests, then every blob no
 remaining checkpoint references, so a crash halfway leaves checkpoints already marked gone.
 """
 
@@ -11,35 +10,34 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smartckpt_cli.errors import SmartckptError
-from smartckpt_cli.remote.backend import Remote, display_url
-from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, part_cid, status_name
-from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
-from smartckpt_cli.store import codec
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
-from smartckpt_cli.store.names import blob_rel, is_blob_id, is_manifest_file
+from smartckpt_cli.remote.replica import display_url, open_remote, replica_journal
+from smartckpt_cli.store.blobs import BlobStore
+from smartckpt_cli.store.directory import StoreDir, open_repository
+from smartckpt_cli.store.gc import sweep
+from smartckpt_cli.store.journal import CheckpointRecord, Journal, JournalState
+from smartckpt_cli.store.names import is_manifest_file
 from smartckpt_cli.store.retention import select_prunable
+from smartckpt_cli.store.storage import Storage
 
 __all__ = [
     "REMOTE_LOCK",
     "STATUS_FILE",
-    "RemoteCheck",
     "RemoteUnavailable",
     "connect",
     "list_blobs",
     "merge_status",
     "prune_remote",
+    "reach",
     "read_status",
     "remote_summary",
     "remove_unreferenced",
     "upload_lag",
-    "verify_remote",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,11 +48,10 @@ STATUS_FILE = "remote-status.json"  # in meta_dir, written by the uploader, read
 REMOTE_LOCK = "remote.lock"
 
 
-def list_blobs(remote: Remote) -> set[str]:
+def list_blobs(remote: Storage) -> set[str]:
     """The blob ids on the remote: names that are blob ids, in the folder of their first two
-    digits. Anything else under ``blobs/`` is not ours: never counted, never removed."""
-    fans = [f for f in remote.list("blobs") if len(f) == 2 and all(c in "0123456789abcdef" for c in f)]
-    return {n for fan in fans for n in remote.list(f"blobs/{fan}") if is_blob_id(n) and n[:2] == fan}
+    digits (:meth:`BlobStore.all_ids`). Anything else under ``blobs/`` is not ours."""
+    return set(BlobStore(remote).all_ids())
 
 
 def upload_lag(local: Iterable[CheckpointRecord], remote_live_ids: set[str]) -> list[CheckpointRecord]:
@@ -168,84 +165,6 @@ def merge_status(ranks: list[dict[str, Any] | None]) -> dict[str, Any]:
     return head
 
 
-@dataclass
-class RemoteCheck:
-    step: int
-    id: str
-    ok: bool
-    problem: str | None = None
-    blobs: int = 0
-    bytes: int = 0
-
-
-def _check_one(remote: Remote, rec: CheckpointRecord, workers: int) -> RemoteCheck:
-    """Every manifest of ``rec`` (each rank's part of a multi-rank checkpoint) and every blob they
-    name: present, and re-hashing to its name."""
-    out = RemoteCheck(rec.step, rec.id, ok=False)
-    if rec.invalid is not None:
-        out.problem = rec.invalid
-        return out
-    parts = (
-        [(p.manifest, p.manifest_hash) for p in rec.parts]
-        if rec.parts
-        else [(rec.manifest, rec.manifest_hash)]
-    )
-    multi = len(parts) > 1
-    ids: dict[str, None] = {}
-    for rank, (rel, mhash) in enumerate(parts):
-        who = f"rank {rank}'s " if multi else ""
-        try:
-            data = remote.get(rel)
-        except FileNotFoundError:
-            out.problem = f"{who}manifest {rel} is missing"
-            return out
-        if codec.blob_id(data) != mhash:
-            out.problem = f"{who}manifest {rel} does not match its commit"
-            return out
-        try:
-            manifest = decode_manifest(data, rel)
-        except ValueError as err:
-            out.problem = str(err)
-            return out
-        ids.update(dict.fromkeys(manifest_blob_ids(manifest)))
-
-    def one(bid: str) -> tuple[str | None, int]:
-        try:
-            blob = remote.get(blob_rel(bid))
-        except FileNotFoundError:
-            return f"missing blob {bid}", 0
-        return (None if codec.blob_id(blob) == bid else f"hash mismatch in blob {bid}"), len(blob)
-
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="smartckpt-rverify") as pool:
-        results = list(pool.map(one, list(ids)))
-    problems = [p for p, _ in results if p]
-    out.blobs, out.bytes = len(ids), sum(n for _, n in results)
-    out.ok = not problems
-    out.problem = (
-        "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "") or None
-    )
-    return out
-
-
-def verify_remote(
-    remote: Remote,
-    state: RemoteState,
-    *,
-    step: int | None = None,
-    all_checkpoints: bool = False,
-    workers: int = 8,
-) -> list[RemoteCheck]:
-    """Re-hash remote checkpoints: the newest live one, ``step``'s, or every live one."""
-    live = sorted(state.live(), key=lambda r: r.position, reverse=True)
-    if step is not None:
-        chosen = [r for r in live if r.step == step]
-    elif all_checkpoints:
-        chosen = live
-    else:
-        chosen = live[:1]
-    return [_check_one(remote, r, workers) for r in chosen]
-
-
 def _manifests_of(rec: CheckpointRecord) -> list[str]:
     """Every manifest of a checkpoint: its own, and each rank's part of a multi-rank one (checked
     names; none for an invalid commit object)."""
@@ -253,8 +172,8 @@ def _manifests_of(rec: CheckpointRecord) -> list[str]:
 
 
 def remove_unreferenced(
-    remote: Remote,
-    state: RemoteState,
+    remote: Storage,
+    state: JournalState,
     known_blobs: set[str],
     manifests: dict[str, dict[str, Any]],
     *,
@@ -272,73 +191,47 @@ def remove_unreferenced(
     Callers hold remote.lock exclusively, so no rank is between its dedup decision and its
     manifest."""
 
-    kept = [r for r in state.records if not r.pruned]
-    kept_manifests = {m for r in kept for m in _manifests_of(r)}
-    referenced: set[str] = set()
-    for rel in sorted(kept_manifests):
-        referenced.update(_blobs_of(remote, manifests, rel))
+    kept_manifests = {m for r in state.records if not r.pruned for m in _manifests_of(r)}
+    keep, remove = set(kept_manifests), {m for r in state.records if r.pruned for m in _manifests_of(r)}
+    markers = [
+        f"{PARTS_DIR}/{marker_name(r.step, r.id, rank)}"
+        for r in state.records
+        if r.pruned and r.parts
+        for rank in range(len(r.parts))
+    ]
     if keep_pending:
-        named = kept_manifests | {m for r in state.records for m in _manifests_of(r)}
-        referenced.update(_keep_or_abandon_parts(remote, manifests, named, pending_ids))
-    _remove_pruned_manifests(remote, state, kept_manifests, manifests)
-    removed = 0
-    for bid in sorted(known_blobs - referenced):
-        remote.remove(blob_rel(bid))
-        known_blobs.discard(bid)
-        removed += 1
-    return removed
+        waiting, abandoned = _uncommitted_parts(remote, kept_manifests | remove, pending_ids)
+        keep |= waiting
+        remove |= {rel for rels in abandoned.values() for rel in rels}
+        markers += [f"{PARTS_DIR}/{n}" for n in remote.list(PARTS_DIR) if part_cid(n) in abandoned]
+        if abandoned:
+            logger.info(
+                "remote: collected the uncommitted parts of %d abandoned checkpoint(s)", len(abandoned)
+            )
+    for rel in markers:  # before the parts they mark
+        remote.remove(rel)
+    swept = sweep(remote, keep, remove, known_blobs, cache=manifests)  # store/gc.py: the one sweep
+    known_blobs.difference_update(swept.blobs)
+    return len(swept.blobs)
 
 
-def _blobs_of(remote: Remote, manifests: dict[str, dict[str, Any]], rel: str) -> list[str]:
-    """The blobs manifest ``rel`` names, read once into ``manifests`` (a gone or damaged one: none)."""
-    if rel not in manifests:
-        try:
-            manifests[rel] = decode_manifest(remote.get(rel), rel)
-        except (FileNotFoundError, ValueError):
-            manifests[rel] = {}
-    return manifest_blob_ids(manifests[rel])
-
-
-def _keep_or_abandon_parts(
-    remote: Remote, manifests: dict[str, dict[str, Any]], named: set[str], pending_ids: set[str] | None
-) -> set[str]:
-    """The blobs of the part manifests no commit names yet that are kept (see
-    :func:`remove_unreferenced`); the abandoned ones lose their manifest and markers here."""
-    referenced: set[str] = set()
-    abandoned: set[str] = set()
+def _uncommitted_parts(
+    remote: Storage, named: set[str], pending_ids: set[str] | None
+) -> tuple[set[str], dict[str, list[str]]]:
+    """The part manifests no commit names yet: those kept (their step may still be committed),
+    and those abandoned, by checkpoint id (see :func:`remove_unreferenced`)."""
+    waiting: set[str] = set()
+    abandoned: dict[str, list[str]] = {}
     for name in remote.list("manifests"):
         rel = f"manifests/{name}"
         if rel in named or not is_manifest_file(name):
             continue
         cid = part_cid(name)
         if pending_ids is not None and cid is not None and cid not in pending_ids:
-            abandoned.add(cid)
-            remote.remove(rel)  # before its blobs: a manifest never names a missing blob
-            manifests.pop(rel, None)
-            continue
-        referenced.update(_blobs_of(remote, manifests, rel))
-    if abandoned:
-        for name in remote.list(PARTS_DIR):
-            if part_cid(name) in abandoned:
-                remote.remove(f"{PARTS_DIR}/{name}")
-        logger.info("remote: collected the uncommitted parts of %d abandoned checkpoint(s)", len(abandoned))
-    return referenced
-
-
-def _remove_pruned_manifests(
-    remote: Remote, state: RemoteState, kept_manifests: set[str], manifests: dict[str, dict[str, Any]]
-) -> None:
-    """The manifests (every rank's part) and part markers of pruned checkpoints; a manifest a kept
-    checkpoint also names stays."""
-    for rec in state.records:
-        if not rec.pruned:
-            continue
-        for rank, rel in enumerate(_manifests_of(rec)):
-            if rel not in kept_manifests:
-                remote.remove(rel)
-                manifests.pop(rel, None)
-            if rec.parts:
-                remote.remove(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rank)}")
+            abandoned.setdefault(cid, []).append(rel)
+        else:
+            waiting.add(rel)
+    return waiting, abandoned
 
 
 @dataclass
@@ -349,8 +242,8 @@ class PrunePlan:
 
 
 def prune_remote(
-    remote: Remote,
-    journal: RemoteJournal,
+    remote: Storage,
+    journal: Journal,
     keep_last: int,
     *,
     dry_run: bool = False,
@@ -366,9 +259,9 @@ def prune_remote(
     )
     if dry_run or not doomed:
         return plan
-    journal.write(
-        state.next_seq,
+    journal.append(
         {"event": "prune", "ids": [r.id for r in doomed], "steps": [r.step for r in doomed], "why": why},
+        seq=state.next_seq,
     )
     state = journal.read()
     multi = bool(remote.list(PARTS_DIR))  # a multi-rank remote: keep the parts of pending steps
@@ -382,12 +275,24 @@ class RemoteUnavailable(SmartckptError):
     """The remote cannot be reached or read (exit 1: the operation failed)."""
 
 
-def connect(url: str) -> tuple[Remote, RemoteJournal, RemoteState]:
-    """Open ``url`` and read its journal, for the CLI; one-line errors."""
-    from smartckpt_cli.remote.backend import open_remote
+def reach(url: str) -> StoreDir:
+    """The replica at ``url`` as a store (``verify``/``inspect`` read it with the local code);
+    one-line errors, RemoteUnavailable when it cannot be read. A replica with no journal yet
+    reads as empty."""
+    try:
+        return open_repository(url, must_exist=False)
+    except SmartckptError:
+        raise
+    except Exception as err:
+        raise RemoteUnavailable(
+            f"remote {display_url(url)} unreachable: {type(err).__name__}: {str(err)[:200]}"
+        ) from None
 
+
+def connect(url: str) -> tuple[Storage, Journal, JournalState]:
+    """Open ``url`` and read its journal, for the CLI; one-line errors."""
     remote = open_remote(url)
-    journal = RemoteJournal(remote)
+    journal = replica_journal(remote)
     try:
         state = journal.read()
     except SmartckptError:
@@ -418,7 +323,7 @@ def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None
     }
 
 
-def _rank_lag(remote: Remote, lag: list[CheckpointRecord]) -> list[dict[str, Any]]:
+def _rank_lag(remote: Storage, lag: list[CheckpointRecord]) -> list[dict[str, Any]]:
     """Per rank, the pending multi-rank checkpoints whose part that rank has not marked on the
     remote yet (its upload lag as the remote sees it); empty for one process."""
     world = max((len(r.parts or ()) for r in lag), default=0)

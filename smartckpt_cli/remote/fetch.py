@@ -3,7 +3,7 @@ download of exactly what the local copy lacks.
 
 Order (:func:`restore_order`): the local journal is the node's own truth, so its live
 checkpoints are tried newest first, each repaired from the remote when its local copy fails.
-Remote checkpoints the local journal has never heard of (a wiped disk, a replaced node) come
+Storage checkpoints the local journal has never heard of (a wiped disk, a replaced node) come
 before them when their step is newer than everything local, after them otherwise. A checkpoint
 the local journal pruned or rolled back is never taken from the remote.
 """
@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from smartckpt_cli.errors import CheckpointCorrupt
-from smartckpt_cli.remote.backend import Remote
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
@@ -69,7 +68,7 @@ class Fetched:
 
 
 def fetch_checkpoint(
-    remote: Remote,
+    remote: Storage,
     storage: Storage,
     blobs: BlobStore,
     record: CheckpointRecord,
@@ -91,7 +90,7 @@ def fetch_checkpoint(
         local_ok = False
     if not local_ok:
         try:
-            data = remote.get(record.manifest)
+            data = remote.read(record.manifest)
         except FileNotFoundError as err:
             raise CheckpointCorrupt(f"step {record.step}: remote manifest is missing", tier="L1") from err
         if codec.blob_id(data) != record.manifest_hash:
@@ -109,7 +108,7 @@ def fetch_checkpoint(
         if blobs.verify(bid) is None:
             return -1
         try:
-            blob = remote.get(blobs.rel(bid))
+            blob = remote.read(blobs.rel(bid))
         except FileNotFoundError as err:
             raise CheckpointCorrupt(f"step {record.step}: remote blob {bid} is missing") from err
         if codec.blob_id(blob) != bid:
@@ -128,7 +127,7 @@ def fetch_checkpoint(
 
 
 def fetch_part(
-    remote: Remote,
+    remote: Storage,
     storage: Storage,
     blobs: BlobStore,
     record: CheckpointRecord,

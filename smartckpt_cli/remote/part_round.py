@@ -19,8 +19,7 @@ from smartckpt_cli.remote.parts import (
     record_parts,
 )
 from smartckpt_cli.remote.plan import LocalBlobGone, _LocalCorrupt, _writer, plan_round
-from smartckpt_cli.remote.rjournal import RemoteState
-from smartckpt_cli.store.journal import CheckpointRecord
+from smartckpt_cli.store.journal import CheckpointRecord, JournalState
 
 if TYPE_CHECKING:
     from smartckpt_cli.remote.replicator import Replicator
@@ -80,7 +79,7 @@ def round_parts(rep: Replicator) -> int:
     return len(left)
 
 
-def _finish_round(rep: Replicator, rstate: RemoteState, left: list[CheckpointRecord], waiting: bool) -> None:
+def _finish_round(rep: Replicator, rstate: JournalState, left: list[CheckpointRecord], waiting: bool) -> None:
     """What the round leaves for the next one and for the status file: rank 0 counts what is
     still not remote in the journal it reads again; another rank, what this round left."""
     rep._waiting = waiting
@@ -101,10 +100,5 @@ def _upload_part(rep: Replicator, rec: CheckpointRecord, part: list[Any]) -> Non
     body = marker_body(rec, rep.rank)
     rep._retry(
         "part marker",
-        lambda: rep.remote.put(
-            f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rep.rank)}",
-            body,
-            part_bytes=rep._part(),
-            limiter=rep.limiter,
-        ),
+        lambda: rep.remote.write(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rep.rank)}", body),
     )

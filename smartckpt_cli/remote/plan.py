@@ -8,9 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from smartckpt_cli.remote.check import upload_lag
-from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
 from smartckpt_cli.store.commit import replicated
-from smartckpt_cli.store.journal import CheckpointRecord, JournalState
+from smartckpt_cli.store.journal import CheckpointRecord, Journal, JournalState
 
 __all__ = ["LocalBlobGone", "RemoteMismatch", "RoundPlan", "plan_round"]
 
@@ -25,7 +24,7 @@ class RoundPlan:
     withdraw: list[CheckpointRecord] = field(default_factory=list)  # rolled back locally
 
 
-def plan_round(local: JournalState, remote: RemoteState, skip: set[str] | None = None) -> RoundPlan:
+def plan_round(local: JournalState, remote: JournalState, skip: set[str] | None = None) -> RoundPlan:
     """Pure: what one round must do to bring the remote up to the local journal."""
     bad = skip or set()
     remote_live = remote.live_ids()
@@ -43,5 +42,5 @@ class _LocalCorrupt(Exception):
     pass
 
 
-def _writer(journal: RemoteJournal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
-    return lambda: journal.write(seq, replicated(rec.event), tag=rec.id)  # store/commit.py
+def _writer(journal: Journal, seq: int, rec: CheckpointRecord) -> Callable[[], str]:
+    return lambda: journal.append(replicated(rec.event), seq=seq, tag=rec.id)  # store/commit.py

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from smartckpt_cli.remote.backend import Limiter, Remote, display_url
 from smartckpt_cli.remote.check import REMOTE_LOCK, list_blobs, remove_unreferenced, upload_lag
 from smartckpt_cli.remote.fetch import manifest_blob_ids
 from smartckpt_cli.remote.part_round import round_parts
@@ -46,12 +45,13 @@ from smartckpt_cli.remote.plan import (
     _writer,
     plan_round,
 )
-from smartckpt_cli.remote.rjournal import RemoteJournal, RemoteState
+from smartckpt_cli.remote.replica import display_url, replica_journal
 from smartckpt_cli.remote.status import _Status, write_status
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.directory import StoreDir
-from smartckpt_cli.store.journal import CheckpointRecord, decode_manifest
+from smartckpt_cli.store.journal import CheckpointRecord, JournalState, decode_manifest
 from smartckpt_cli.store.retention import select_prunable
+from smartckpt_cli.store.storage import Storage
 
 __all__ = ["RemoteMismatch", "Replicator", "RoundPlan", "plan_round"]
 
@@ -68,7 +68,7 @@ class Replicator:
 
     def __init__(
         self,
-        remote: Remote,
+        remote: Storage,
         store: StoreDir,
         store_id: str,
         settings: Any,
@@ -84,12 +84,11 @@ class Replicator:
         self._marked: set[str] = set()  # ids whose part of this rank is marked on the remote
         self._waiting = False  # rank 0: the last round waited for another rank's part
         self._first_seen: dict[str, float] = {}  # pending id -> wall time it was first seen
-        self.journal = RemoteJournal(remote)
+        self.journal = replica_journal(remote)
         self.store = store
         self.store_id = store_id
         self.s = settings
         self.nice = nice
-        self.limiter = Limiter(settings.remote_bandwidth_mb * (1 << 20))
         self.status = _Status()
         self._known_blobs: set[str] | None = None
         self._remote_live: set[str] = set()  # remote live ids as last read
@@ -243,7 +242,7 @@ class Replicator:
                 "steps": [r.step for r in plan.withdraw],
                 "why": "rolled back",
             }
-            self._retry("withdraw", lambda: self.journal.write(seq, event))
+            self._retry("withdraw", lambda: self.journal.append(event, seq=seq))
             seq += 1
         self._expire()
         after = self._retry("journal read", self.journal.read)
@@ -252,13 +251,13 @@ class Replicator:
         self._set_pending(left, after)
         return len(left)
 
-    def remote_state(self, *, may_init: bool = True) -> RemoteState:
+    def remote_state(self, *, may_init: bool = True) -> JournalState:
         """The remote journal, made on first use (``may_init``: by this process; with several
         ranks rank 0 alone makes it) and refused when it is another store's; the remote's blobs
         listed again when another writer moved its journal on (or never listed)."""
         rstate = self._retry("journal read", self.journal.read)
         if rstate.store_id is None and may_init:
-            self._retry("journal init", lambda: self.journal.init(self.store_id))
+            self._retry("journal init", lambda: self.journal.create(self.store_id))
             rstate = self._retry("journal read", self.journal.read)
         if (rstate.store_id is not None or may_init) and rstate.store_id != self.store_id:
             raise RemoteMismatch(
@@ -304,7 +303,7 @@ class Replicator:
             self._write_status()
         return seq
 
-    def _set_pending(self, pending: list[CheckpointRecord], rstate: RemoteState) -> None:
+    def _set_pending(self, pending: list[CheckpointRecord], rstate: JournalState) -> None:
         self._remote_live = rstate.live_ids()
         self.status.pending = len(pending)
         self.status.pending_steps = [r.step for r in pending]
@@ -340,14 +339,11 @@ class Replicator:
                 self.status.bytes_sent += n
         self._retry(
             "manifest",
-            lambda: self.remote.put(rec.manifest, data, part_bytes=self._part(), limiter=self.limiter),
+            lambda: self.remote.write(rec.manifest, data),
         )
         self._manifests[rec.manifest] = manifest
         self.status.bytes_sent += len(data)
         self.status.last_upload_seconds = round(time.monotonic() - t0, 3)
-
-    def _part(self) -> int:
-        return max(5, self.s.remote_part_mb) << 20
 
     def _upload_blob(self, bid: str) -> int:
         rel = self.store.blobs.rel(bid)
@@ -359,9 +355,7 @@ class Replicator:
             raise _LocalCorrupt(f"blob {bid} hash mismatch")
         if self.world > 1 and self._retry("blob check", lambda: self.remote.exists(rel)):
             return -1  # another rank sent this content already
-        self._retry(
-            "blob upload", lambda: self.remote.put(rel, data, part_bytes=self._part(), limiter=self.limiter)
-        )
+        self._retry("blob upload", lambda: self.remote.write(rel, data))
         return len(data)
 
     def _expire(self) -> None:
@@ -376,7 +370,7 @@ class Replicator:
             "steps": [r.step for r in doomed],
             "why": f"remote_keep_last={keep}",
         }
-        self._retry("prune", lambda: self.journal.write(rstate.next_seq, event))
+        self._retry("prune", lambda: self.journal.append(event, seq=rstate.next_seq))
         rstate = self._retry("journal read", self.journal.read)
         if self.world > 1:  # the other ranks' blobs too (this rank's listing knows its own)
             self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))

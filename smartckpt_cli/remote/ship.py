@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from smartckpt_cli.remote.backend import Remote, open_remote
+from smartckpt_cli.remote.replica import open_remote, replica_journal
 from smartckpt_cli.remote.replicator import Replicator
-from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.storage import Storage
 
 __all__ = ["Shipped", "ship"]
 
@@ -32,9 +32,9 @@ class Shipped:
     error: str | None = None  # the last error the uploader met, or why it could not run
 
 
-def _committed(remote: Remote) -> set[str]:
+def _committed(remote: Storage) -> set[str]:
     """The ids ever committed on the remote (remote retention may have pruned some since)."""
-    return {r.id for r in RemoteJournal(remote).read().records}
+    return {r.id for r in replica_journal(remote).read().records}
 
 
 def ship(
@@ -46,7 +46,7 @@ def ship(
     t0 = time.monotonic()
     first_error: str | None
     try:
-        missing = ids - _committed(open_remote(settings.remote))
+        missing = ids - _committed(open_remote(settings.remote, settings))
     except Exception as err:  # down, refusing, no fsspec: the uploader below says it again
         missing, first_error = set(ids), f"{type(err).__name__}: {str(err)[:300]}"
     else:
@@ -55,7 +55,9 @@ def ship(
             return Shipped(set(), False, time.monotonic() - t0)
     try:
         reps = [
-            Replicator(open_remote(settings.remote), store, store_id, settings, nice=0, rank=r, world=world)
+            Replicator(
+                open_remote(settings.remote, settings), store, store_id, settings, nice=0, rank=r, world=world
+            )
             for r in range(world)
         ]
     except Exception as err:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smartckpt_cli.remote.backend import display_url
 from smartckpt_cli.remote.check import upload_lag
 from smartckpt_cli.remote.parts import abandoned_before, status_name
+from smartckpt_cli.remote.replica import display_url
 
 if TYPE_CHECKING:
     from smartckpt_cli.remote.replicator import Replicator

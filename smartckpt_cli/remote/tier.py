@@ -27,17 +27,17 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from smartckpt_cli.errors import CheckpointCorrupt
-from smartckpt_cli.remote.backend import Remote, display_url, open_remote
 from smartckpt_cli.remote.check import REMOTE_LOCK
 from smartckpt_cli.remote.fetch import Candidate, fetch_checkpoint, fetch_part, restore_order
+from smartckpt_cli.remote.replica import display_url, open_remote, replica_journal
 from smartckpt_cli.remote.replicator import Replicator
-from smartckpt_cli.remote.rjournal import RemoteJournal
 from smartckpt_cli.remote.start_wait import wait_for_remote
 from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.commit import adopt
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import JournalState
 from smartckpt_cli.store.retention import GC_LOCK
+from smartckpt_cli.store.storage import Storage
 
 __all__ = ["REMOTE_LOCK", "RemoteTier"]
 
@@ -47,13 +47,15 @@ T = TypeVar("T")
 
 
 class RemoteTier:
-    def __init__(self, remote: Remote, store: StoreDir, settings: Any, rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self, remote: Storage, store: StoreDir, settings: Any, rank: int = 0, world: int = 1
+    ) -> None:
         self.remote = remote
         self.rank, self.world = rank, world  # several ranks: each uploads and fetches its own part
         self.url = display_url(remote.url)
         self.store = store
         self.settings = settings
-        self.journal = RemoteJournal(remote)
+        self.journal = replica_journal(remote)
         self.replicator: Replicator | None = None
         self.adopted_store_id: str | None = None
 
@@ -66,7 +68,7 @@ class RemoteTier:
         world: int = 1,
         pause: Callable[[float], None] = time.sleep,
     ) -> RemoteTier:
-        tier = cls(open_remote(settings.remote), store, settings, rank, world)
+        tier = cls(open_remote(settings.remote, settings), store, settings, rank, world)
         if rank == 0 and not _usable_locally(store):
             # Nothing to resume here (a new or wiped node): the remote may hold the whole run.
             # Its store id is adopted before a local journal exists, so its checkpoints belong to

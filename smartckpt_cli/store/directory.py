@@ -27,11 +27,12 @@ from smartckpt_cli.errors import (
     StoreLockedError,
     StoreNotFoundError,
     UnsafePathError,
+    UsageError,
 )
 from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import JOURNAL, JOURNAL_LOCK, Journal
 from smartckpt_cli.store.names import is_manifest_file
-from smartckpt_cli.store.storage import LocalStorage, Storage
+from smartckpt_cli.store.storage import LocalStorage, Storage, is_url, open_storage
 from smartckpt_cli.store.unjournalled import Survey, repair_command, say_once, survey
 
 __all__ = ["DIR_ID", "WRITER_LOCK", "StoreDir", "WriterLock", "open_store", "unsafe_layout"]
@@ -102,12 +103,23 @@ class WriterLock:
 
 @dataclass
 class StoreDir:
+    """A repository: blobs and manifests in ``storage``, the journal (and locks, status files)
+    in ``meta``, on any backend. A local store has a directory for each (the same by default);
+    a store named by a URL (:func:`open_repository`: a replica on an object store or a
+    ``file://`` directory) has one backend for both, and ``url``."""
+
     root: Path
     meta_root: Path
-    storage: LocalStorage  # dir: blobs, manifests
-    meta: LocalStorage  # meta_dir: journal, locks, status files
+    storage: Storage  # dir: blobs, manifests
+    meta: Storage  # meta_dir: journal, locks, status files
     blobs: BlobStore
     journal: Journal
+    url: str | None = None  # a store named by a URL (credentials never kept)
+
+    @property
+    def where(self) -> str:
+        """The store as its messages name it: its directory, or its URL."""
+        return self.url or str(self.root)
 
     def ensure_journal(self, store_id: str | None = None) -> str:
         """The store id; creates the journal on first use (under a lock, once), with
@@ -186,10 +198,27 @@ def unsafe_layout(root: Path, meta_root: Path | None = None) -> list[str]:
     return found
 
 
+def open_repository(url: str, *, must_exist: bool = True) -> StoreDir:
+    """The store a URL names (``s3://bucket/prefix``, ``file:///path``: a replica, or a store
+    copied there), read through the same code as a directory; its journal's layout is what it
+    holds. NotAStoreError (one line) when there is no journal there."""
+    storage = open_storage(url, what="store")
+    journal = Journal(storage)
+    if must_exist and not journal.exists():
+        raise NotAStoreError(f"{storage.url} is not a smartckpt checkpoint store (no journal there)")
+    root = Path(url[len("file://") :]) if url.startswith("file://") else Path(".")
+    return StoreDir(root, root, storage, storage, BlobStore(storage), journal, url=storage.url)
+
+
 def open_store(
     directory: str | os.PathLike[str], meta_dir: str | os.PathLike[str] | None = None, *, create: bool = False
 ) -> StoreDir:
-    """Open a store. Without ``create``, the directory must exist and hold a journal."""
+    """Open a store. Without ``create``, the directory must exist and hold a journal. A URL
+    (``s3://``, ``file://``) opens the repository there (:func:`open_repository`)."""
+    if isinstance(directory, str) and is_url(directory):
+        if meta_dir is not None:
+            raise UsageError("--meta-dir is for a store in directories, not for a URL")
+        return open_repository(directory)
     root = Path(directory)
     meta_root = Path(meta_dir) if meta_dir is not None else root
     for path, what in ((root, "checkpoint directory"), (meta_root, "meta directory")):

@@ -1,6 +1,7 @@
 """Manifests and the append-only journal: the commit point.
 
-A checkpoint exists once, and only once, its ``commit`` line is in ``journal.jsonl`` and fsynced.
+A checkpoint exists once, and only once, its ``commit`` line is durable in the journal
+(``journal.jsonl``, fsynced; or its own object on an object store: :mod:`.log`).
 Everything before that (blobs, the manifest) is invisible garbage if the process dies; everything
 after it (pruning old checkpoints) only ever removes what a newer commit has replaced.
 
@@ -19,20 +20,20 @@ file, the field and the value.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from smartckpt_cli._faults import crash, fault_active, fault_point
+from smartckpt_cli._faults import fault_point
 from smartckpt_cli.errors import JournalError, JournalTooNewError
+from smartckpt_cli.store.lines import decode_line as decode_line
+from smartckpt_cli.store.lines import encode_line as encode_line
+from smartckpt_cli.store.log import JOURNAL as JOURNAL
+from smartckpt_cli.store.log import JOURNAL_LOCK as JOURNAL_LOCK
+from smartckpt_cli.store.log import FileLog, ObjectLog
 from smartckpt_cli.store.manifest import check_manifest
 from smartckpt_cli.store.names import (
     InvalidName,
@@ -42,7 +43,7 @@ from smartckpt_cli.store.names import (
     shown,
 )
 from smartckpt_cli.store.names import manifest_rel as manifest_rel
-from smartckpt_cli.store.storage import LocalStorage
+from smartckpt_cli.store.storage import Storage
 
 __all__ = [
     "JOURNAL",
@@ -60,35 +61,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-JOURNAL = "journal.jsonl"
-JOURNAL_LOCK = "journal.lock"  # serialises appends across processes (a run, the CLI, the supervisor)
 JOURNAL_FORMAT = "smartckpt-journal"
 JOURNAL_VERSION = 1
 MANIFEST_FORMAT = "smartckpt-manifest"
 MANIFEST_VERSION = 1
-
-
-def _canonical(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def encode_line(event: dict[str, Any]) -> bytes:
-    body = {k: v for k, v in event.items() if k != "crc"}
-    crc = xxhash.xxh3_64_hexdigest(_canonical(body).encode())
-    return (_canonical({**body, "crc": crc}) + "\n").encode()
-
-
-def decode_line(line: bytes) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(obj, dict) or "crc" not in obj:
-        return None
-    crc = obj.pop("crc")
-    if xxhash.xxh3_64_hexdigest(_canonical(obj).encode()) != crc:
-        return None
-    return obj
 
 
 @dataclass
@@ -141,9 +117,14 @@ class JournalState:
     # Lines that do not read (not a torn last line): a commit among them would leave its
     # checkpoint's manifest without a line (store/unjournalled.py).
     damaged: tuple[str, ...] = ()
+    # The objects layout (:mod:`.log`): one past the highest sequence number read.
+    next_seq: int = 0
 
     def live(self) -> list[CheckpointRecord]:
         return [r for r in self.records if r.live]
+
+    def live_ids(self) -> set[str]:
+        return {r.id for r in self.records if r.live}
 
 
 def _commit_record(ev: dict[str, Any], pos: int, where: str) -> CheckpointRecord:
@@ -297,108 +278,74 @@ def _warn_once(problems: list[str]) -> None:
 
 
 class Journal:
-    """``journal.jsonl`` in ``meta_dir``. Appends are made by the single writing process."""
+    """A repository's journal, on any backend, in either layout (:mod:`.log`): ``journal.jsonl``
+    where the backend appends, one object per event where it does not (an object store) or where
+    several nodes write (a replica). The layout is read from what the repository holds, at first
+    use (a remote that is down raises then, not here); a new journal takes ``layout`` (default:
+    lines where the backend appends)."""
 
-    def __init__(self, storage: LocalStorage, meta_root: Path) -> None:
+    def __init__(self, storage: Storage, meta_root: Path | None = None, *, layout: str | None = None) -> None:
         self.storage = storage
-        self.path = meta_root / JOURNAL
+        root = str(meta_root) if meta_root is not None else storage.url
+        self.path = Path(root) / JOURNAL  # for messages (and local tests): the lines layout's file
+        self._lines = FileLog(storage, str(self.path))
+        self._objects = ObjectLog(storage, f"{storage.url}: journal")  # the url holds no credentials
+        self._default = layout or ("lines" if storage.appends else "objects")
+        self._chosen: FileLog | ObjectLog | None = None
+
+    @property
+    def _log(self) -> FileLog | ObjectLog:
+        if self._chosen is None:
+            if self._lines.exists():
+                self._chosen = self._lines
+            elif self._objects.exists():
+                self._chosen = self._objects
+            else:  # nothing yet: decided again at the next use, until something is written
+                return self._lines if self._default == "lines" else self._objects
+        return self._chosen
+
+    @property
+    def where(self) -> str:
+        return self._log.where
+
+    @property
+    def layout(self) -> str:
+        return self._log.layout
 
     def exists(self) -> bool:
-        return self.path.exists()
+        return self._log.exists()
 
     def create(self, store_id: str | None = None) -> str:
         store_id = store_id or uuid.uuid4().hex
-        self.storage.append(
-            JOURNAL,
-            encode_line(
-                {
-                    "event": "init",
-                    "format": JOURNAL_FORMAT,
-                    "v": JOURNAL_VERSION,
-                    "store_id": store_id,
-                }
-            ),
-        )
+        init = {"event": "init", "format": JOURNAL_FORMAT, "v": JOURNAL_VERSION, "store_id": store_id}
+        self._log.start(encode_line(init))  # the caller holds journal.lock (StoreDir.ensure_journal)
         return store_id
 
     def read(self) -> JournalState:
         return self.read_events()[0]
 
     def read_events(self, *, consistent: bool = False) -> tuple[JournalState, list[dict[str, Any]]]:
-        """The folded state and every readable event, in journal order. With ``consistent``,
-        the file is read under a shared ``journal.lock`` (when that lock file exists; nothing is
-        created), so a line another process is appending at this moment is never seen half
-        written and reported as torn."""
+        """The folded state and every readable event, in journal order. With ``consistent``, a
+        line another process is appending at this moment is never seen half written (lines
+        layout: read under the shared ``journal.lock``)."""
         try:
-            with self.storage.lock(JOURNAL_LOCK, shared=True, create=False) if consistent else _nothing():
-                raw = self.storage.read(JOURNAL)
+            decoded = self._log.read(consistent=consistent)
         except FileNotFoundError:
             return JournalState(None, [], [], []), []
         except OSError as err:
-            raise JournalError(f"cannot read journal {self.path}: {err.strerror or err}") from err
-        lines = raw.split(b"\n")
-        whole = lines[-1] == b""  # a complete file ends with a newline
-        lines = lines[:-1] if whole else lines
-        decoded = [(f"{self.path} line {n}", decode_line(line)) for n, line in enumerate(lines, start=1)]
-        if not whole:
-            # A line is appended with its newline in one write; a last line without it was cut
-            # short (a crash, a short write on a full disk), even when its crc matches: it is a
-            # torn line, not a commit, for every reader, and the next append cuts it off.
-            decoded[-1] = (decoded[-1][0], None)
-        return replay(decoded, str(self.path), torn_tail=True)
+            raise JournalError(f"cannot read journal {self.where}: {err.strerror or err}") from err
+        state, events = replay(decoded, self.where, torn_tail=self._log.torn_tail)
+        if isinstance(self._log, ObjectLog):
+            state.next_seq = self._log.next_seq
+        return state, events
 
-    def _drop_torn_tail(self) -> None:
-        """A writer that died mid-append (or a short write) leaves an unterminated last line. A
-        line without its newline is never a commit for any reader (``read_events``), so the one
-        writing process cuts it off before appending: the next line starts on a line of its own,
-        and nothing committed is ever cut. Left in place it would read as damage in the middle."""
-        path = self.storage.path(JOURNAL)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            return
-        if not size:
-            return
-        with open(path, "rb+") as f:
-            f.seek(size - 1)
-            if f.read(1) == b"\n":
-                return
-            cut = _last_newline_end(f, size)
-            f.truncate(cut)
-            f.flush()
-            os.fsync(f.fileno())
-        logger.warning(
-            "journal: removed a torn last line (%d bytes) left by an interrupted write", size - cut
-        )
-
-    def append(self, event: dict[str, Any]) -> None:
-        """Append one event durably. For a ``commit`` this line *is* the commit point.
-
-        Appends hold ``journal.lock`` exclusively: the training run, ``smartckpt prune`` /
-        ``rollback`` and the supervisor may append to the same journal, and cutting a torn tail
-        must never cut another process's line that is being written at that moment."""
-        line = encode_line(event)
-        with self.storage.lock(JOURNAL_LOCK):
-            self._drop_torn_tail()
-            if fault_active("journal.half_line"):
-                self.storage.append(JOURNAL, line[: len(line) // 2])
-                crash()
-            self.storage.append(JOURNAL, line)
+    def append(self, event: dict[str, Any], *, seq: int | None = None, tag: str | None = None) -> str:
+        """Append one event durably; returns where it went (the file, or the object's name). For
+        a ``commit`` this line *is* the commit point. ``seq`` and ``tag`` name an object of the
+        objects layout (a writer among several picks its own; the lines layout ignores them)."""
+        name = self._log.append(encode_line(event), str(event["event"]), seq, tag)
         fault_point("journal.fsynced")
-
-
-def _last_newline_end(f: Any, size: int) -> int:
-    """Offset just after the last newline in the open file (0 when there is none)."""
-    pos = size
-    while pos > 0:
-        start = max(0, pos - 65536)
-        f.seek(start)
-        block = f.read(pos - start)
-        i = block.rfind(b"\n")
-        if i >= 0:
-            return start + i + 1
-        pos = start
-    return 0
+        return name
 
 
 def encode_manifest(manifest: dict[str, Any]) -> bytes:
@@ -426,8 +373,3 @@ def record_manifests(record: CheckpointRecord) -> list[str]:
     """Every manifest a committed checkpoint consists of (checked names; none for an invalid
     line): :meth:`CheckpointRecord.manifests`."""
     return record.manifests()
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield None

@@ -27,7 +27,7 @@ in it, are checked here and against the slot's size before a byte is read.
 
 Nothing that passes is absolute, holds ``..``, a separator where none belongs, a NUL or any
 character outside ``[0-9a-z_./-]``. The storage backends refuse any path that resolves outside
-their root as a second wall (``store/storage/local.py``, ``remote/backend.py``); :func:`check_rel`
+their root as a second wall (``store/storage/local.py``, ``store/storage/objects.py``); :func:`check_rel`
 is the generic rule they apply to every relative path they are given.
 
 A failed check raises :class:`InvalidName`, one line naming the file, the field and the value.

@@ -36,7 +36,7 @@ from pathlib import Path
 from smartckpt_cli.config import Settings, parse_size
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.procutil import lower_priority
-from smartckpt_cli.remote.backend import display_url
+from smartckpt_cli.remote.replica import display_url
 from smartckpt_cli.remote.ship import ship
 from smartckpt_cli.store import ramarea
 from smartckpt_cli.store.directory import StoreDir, open_store

@@ -182,10 +182,9 @@ def main() -> int:
 def _wait_for_a_remote_commit(timeout: float) -> None:
     """Poll the remote journal until it holds a live commit (the other ranks wait at the next
     collective meanwhile; their background uploads go on)."""
-    from smartckpt_cli.remote.backend import open_remote
-    from smartckpt_cli.remote.rjournal import RemoteJournal
+    from smartckpt_cli.remote.replica import open_remote, replica_journal
 
-    journal = RemoteJournal(open_remote(os.environ["SMARTCKPT_REMOTE"]))
+    journal = replica_journal(open_remote(os.environ["SMARTCKPT_REMOTE"]))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not journal.read().live():
         time.sleep(0.2)

@@ -18,6 +18,13 @@ Order of calls for one checkpoint (made by the writer thread of the one writing 
 Readers (restore, verify, the CLI) only call ``read``, ``read_view``, ``exists``, ``list`` and
 ``size``. Garbage collection also calls ``leftovers`` and ``remove``. Cross-process exclusion
 (``gc.lock``, ``journal.lock``, ``remote.lock``, ``writer.lock``) goes through ``lock``.
+
+Two backends implement it: :class:`~.local.LocalStorage` (a directory: a store's ``dir`` and
+``meta_dir``, a ``file://`` remote) and :class:`~.objects.ObjectStorage` (any fsspec filesystem:
+``s3://``, ``gs://``, ``memory://``). An object store has no append and no lock: ``appends`` says
+so, and the journal then keeps one object per event (:mod:`smartckpt_cli.store.log`) — the same
+lines, the same replay, the same commit rule. :func:`~.open.open_storage` picks the backend of a
+URL.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class Pending(Protocol):
 
 @runtime_checkable
 class Storage(Protocol):
+    url: str  # where it is, for messages (never with credentials: see open_storage)
+    appends: bool  # whether ``append``/``truncate`` work (a file system) or not (an object store)
+
     def write(self, rel: str, data: Buffer | Sequence[Buffer], *, sync_dir: bool = True) -> None:
         """Write ``rel`` atomically: a reader sees either nothing or the whole, durable content."""
 
@@ -60,7 +70,11 @@ class Storage(Protocol):
     def append(self, rel: str, data: bytes) -> None:
         """Append every byte of ``data`` and fsync (the journal); raises when it cannot."""
 
-    def read(self, rel: str) -> bytes: ...
+    def truncate(self, rel: str, size: int) -> None:
+        """Cut ``rel`` back to ``size`` bytes, durably (the journal's torn last line)."""
+
+    def read(self, rel: str) -> bytes:
+        """The bytes of ``rel``; FileNotFoundError when it does not exist."""
 
     def exists(self, rel: str) -> bool: ...
 

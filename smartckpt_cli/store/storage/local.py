@@ -30,6 +30,7 @@ from smartckpt_cli._faults import fault_point
 from smartckpt_cli.errors import UnsafePathError
 from smartckpt_cli.store.names import TMP_MARK, InvalidName, check_rel, is_temporary
 from smartckpt_cli.store.storage.base import Buffer
+from smartckpt_cli.store.storage.limiter import Limiter
 
 __all__ = ["LocalStorage", "PendingWrite", "file_lock"]
 
@@ -47,12 +48,25 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalStorage:
-    """A directory on a local (or NFS) filesystem."""
+    """A directory on a local (or NFS) filesystem. With a ``limiter`` (a ``file://`` remote under
+    ``remote_bandwidth_mb``) every write takes its bytes from it, ``part_bytes`` at a time."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    appends = True
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        url: str | None = None,
+        limiter: Limiter | None = None,
+        part_bytes: int = 8 << 20,
+    ) -> None:
         self.root = Path(root)
         self._root_str = str(self.root)
+        self.url = url or self._root_str  # as the user named it (file://...), for messages
         self._real_root: str | None = None
+        self._limiter = limiter if limiter is not None and limiter.rate > 0 else None
+        self._part_bytes = part_bytes
 
     def path(self, rel: str) -> Path:
         """The path of ``rel`` under the root, once it is known to stay there: the name passes
@@ -102,8 +116,15 @@ class LocalStorage:
             for part in parts:
                 view = memoryview(part).cast("B")
                 while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
+                    if self._limiter is not None:
+                        view, rest = view[: self._part_bytes], view[self._part_bytes :]
+                        self._limiter.take(len(view))
+                    else:
+                        rest = view[len(view) :]
+                    while view:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                    view = rest
             _start_writeback(fd)
         except BaseException:
             os.close(fd)
@@ -163,6 +184,12 @@ class LocalStorage:
             os.close(fd)
         if created:
             _fsync_dir(path.parent)
+
+    def truncate(self, rel: str, size: int) -> None:
+        with open(self.path(rel), "rb+") as f:
+            f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
 
     def read(self, rel: str) -> bytes:
         return self.path(rel).read_bytes()
