@@ -15,7 +15,8 @@ import logging
 from smartckpt_cli._faults import fault_point
 from smartckpt_cli.errors import JournalError
 from smartckpt_cli.store.blobs import BlobStore
-from smartckpt_cli.store.journal import CheckpointRecord, Journal, decode_manifest
+from smartckpt_cli.store.gc import sweep
+from smartckpt_cli.store.journal import CheckpointRecord, Journal
 from smartckpt_cli.store.names import is_manifest_file, is_temporary
 from smartckpt_cli.store.storage.base import Storage
 from smartckpt_cli.store.unjournalled import repair_command, say_once, survey
@@ -45,24 +46,6 @@ def select_prunable(records: list[CheckpointRecord], keep_last: int) -> list[Che
     return [r for r in live[:-keep] if r is not known_good] + [r for r in unhealthy if r.position < newest_ok]
 
 
-def _manifest_blobs(storage: Storage, rel: str) -> set[str]:
-    """Blobs a kept manifest references. A manifest that cannot be read or names a blob outside
-    the format stops garbage collection (raises): treating it as referencing nothing would delete
-    the blobs of a live checkpoint."""
-    try:
-        manifest = decode_manifest(storage.read(rel), rel)
-    except FileNotFoundError:
-        return set()  # already gone: there is nothing left of it to protect
-    except (OSError, ValueError) as err:
-        raise JournalError(f"garbage collection stopped: cannot read manifest {rel}: {err}") from err
-    out: set[str] = set()
-    for entry in manifest.get("entries", {}).values():
-        for stream in (entry.get("data"), entry.get("patch")):
-            for chunk in (stream or {}).get("chunks", []):
-                out.add(chunk[0])
-    return out
-
-
 def prune(storage: Storage, journal: Journal, doomed: list[CheckpointRecord], *, why: str) -> None:
     if not doomed:
         return
@@ -83,8 +66,8 @@ def collect_garbage(storage: Storage, blobs: BlobStore, journal: Journal) -> int
 
 
 def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal) -> int:
-    """:func:`collect_garbage` for a caller that already holds ``gc.lock`` exclusively."""
-    freed = 0
+    """:func:`collect_garbage` for a caller that already holds ``gc.lock`` exclusively: what
+    to keep decided here, removed by the one sweep (:mod:`.gc`)."""
     found = survey(storage, journal)
     if found.state is None:
         raise JournalError(f"garbage collection stopped: the journal {found.look.path} cannot be read")
@@ -96,21 +79,12 @@ def collect_garbage_locked(storage: Storage, blobs: BlobStore, journal: Journal)
     root = getattr(storage, "root", journal.path.parent)
     for finding in found.findings:
         say_once(finding.line(str(root), repair_command(root, journal.path.parent)))
-    referenced: set[str] = set()
-    for rel in kept_manifests:
-        referenced |= _manifest_blobs(storage, rel)
     # Only files the format makes are ever removed: a note or a stray file in manifests/ is not ours.
-    for name in storage.list("manifests"):
-        rel = f"manifests/{name}"
-        if is_manifest_file(name) and rel not in kept_manifests:
-            storage.remove(rel)
+    uncommitted = [f"manifests/{n}" for n in storage.list("manifests") if is_manifest_file(n)]
+    freed = sweep(storage, kept_manifests, uncommitted, blobs.all_ids(), sizes=True).freed
     for name in storage.leftovers("manifests"):
         if is_temporary(name) and is_manifest_file(name.split(".tmp.", 1)[0]):
             storage.remove(f"manifests/{name}")
-    for bid in list(blobs.all_ids()):
-        if bid not in referenced:
-            freed += blobs.size(bid)
-            blobs.remove(bid)
     for rel in blobs.leftovers():
         storage.remove(rel)
     return freed
