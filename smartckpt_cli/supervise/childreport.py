@@ -9,8 +9,8 @@ Pure: the supervisor reads the files (``RunDir.reports``) and prints what these 
 The one reader of the report and of the facts the attempt's record keeps from it: what each
 fact is for comes from its declaration (``proto.FACTS``: its use, its kind, the phases a wall
 time ends, the cause a value says), so a new fact is an entry there plus, when the record keeps
-it, its ``AttemptRecord`` field. The rest of the supervisor reads those fields through the
-functions here.
+it, its ``AttemptRecord`` field. The supervisor, the summary and the CLI read those fields
+through the functions here (``tests/test_child_protocol.py`` scans for any other reader).
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ from smartckpt_cli.supervise.records import AttemptRecord
 __all__ = [
     "began_again",
     "began_at",
+    "began_words",
+    "check_words",
     "lead_report",
     "learn",
+    "never_stepped",
     "predicted_start",
     "restart_phases",
+    "said_how_it_began",
     "script_name",
     "settle_resume_check",
     "start_line",
@@ -278,3 +282,33 @@ def trouble_detail(att: AttemptRecord, detail: dict[int, str]) -> None:
     if att.io_error is not None:
         detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"
 
+
+# ---------------------------------------------------------------- the run's summary (summary.py)
+
+
+def said_how_it_began(att: AttemptRecord) -> bool:
+    """Whether the child said something of its start worth the summary's attempt lines: it
+    began again at step 0 although a checkpoint existed, or its resume was checked."""
+    return bool(att.began_again or att.resume_check)
+
+
+def began_words(att: AttemptRecord) -> str:
+    """Where an attempt began, in words (never a raw None)."""
+    if att.start_step is None:
+        return "began at an unreported step"
+    if att.restored_from is not None:
+        return f"resumed at step {att.start_step} (restored from {att.restored_from})"
+    if att.began_again:
+        return f"began again at step 0 ({att.began_again})"
+    return f"began at step {att.start_step}"
+
+
+def check_words(att: AttemptRecord) -> str:
+    """The resume check's verdict, as the attempt line ends with it ("" without one)."""
+    check = att.resume_check
+    return f"; resume check at step {check.get('step')}: {check.get('verdict')}" if check else ""
+
+
+def never_stepped(attempts: list[AttemptRecord]) -> bool:
+    """Whether a child said its training never stepped a torch.optim optimizer."""
+    return any(a.no_optimizer for a in attempts)
