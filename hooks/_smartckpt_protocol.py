@@ -18,7 +18,8 @@ writer's pid, so that several processes (torchrun workers, DataLoader workers) n
 ``stacks.<pid>.txt``     Python stacks of every thread, dumped by ``faulthandler`` when the
                          supervisor sends :data:`STACK_SIGNAL` to a hung process.
 ``report.<pid>.json``    what the training process itself says it did (rewritten whole as it
-                         learns more): the facts of :data:`REPORT_FACTS`, every one optional.
+                         learns more): the facts of :data:`FACTS`, every one optional, each
+                         declared with what the supervisor does with it.
 """
 
 from __future__ import annotations
@@ -31,41 +32,129 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-# Every fact a training process may put in its report.<pid>.json, with what it means: the one
-# list of the child-to-supervisor report (the child's engine/report.py writes no other name).
-REPORT_FACTS: dict[str, str] = {
-    "pid": "the reporting process",
-    "rank": "its rank (-1: no torch.distributed rank)",
-    "start_step": "the step the script really began at",
-    "restored_from": "where that step came from: ram, disk, remote, or null (nothing restored)",
-    "checkpoint": "the id of the checkpoint restored",
-    "lineage": "the lineage it continues (engine/restore.py's same_lineage)",
-    "start_step_called": "whether the script called start_step()",
-    "start_step_early": "it did, before any optimizer existed",
-    "resume_check": "the resume check's verdict: {step, verdict, expected, got}",
-    "no_optimizer": "backward passes, but no torch.optim optimizer ever stepped",
-    "save_failures": "background saves failing: {count, last, step}",
-    "io_error": "a write on the loop's path failing: {what, error}; null once it works again",
-    "checkpointing_off": "zero-code checkpointing turned itself off: {why, step}",
-    "commit_interrupted": "a save cut off before its commit: {step, error}",
-    "torch_ready": "wall time: torch imported and the hooks in (a start's first phase)",
-    "restore_began": "wall time: the restore began",
-    "restore_done": "wall time: the restore ended",
-    "first_step_done": "wall time: the first step after the start ended",
-    "first_step": "that step's number",
+# What the supervisor does with a fact (Fact.use); "" : nothing, it is there for whoever reads the
+# file. Each use is read in one place, supervise/childreport.py, through these declarations.
+START = "start"  # where the attempt began: kept in the AttemptRecord field of its name, the START
+#                  facts taken together once the first one is said (and again when the child
+#                  corrects itself); the start line says them
+KEPT = "kept"  # kept as last said (a value of its kind, not empty) in the AttemptRecord field of
+#                its name; new (a trouble line may say it) the first time in an attempt
+CAUSE = "cause"  # its value ``when`` says the script does not resume through start_step(): why an
+#                  attempt began at step 0 although a checkpoint existed, and that the next will too
+PHASE = "phase"  # a wall time that ends restart phases (AttemptRecord.phases)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One fact of the report: what it means, what the supervisor does with it (``use``, above)
+    and the type a value must have to be taken (``kind``; the report is read back, never
+    trusted: a value of another type is as if unsaid, and a bool is no number)."""
+
+    meaning: str
+    use: str = ""
+    kind: type | tuple[type, ...] = object
+    # PHASE: the phases this wall time ends, each with the fact it is measured from ("": the
+    # attempt's start, as the supervisor timed it; a mark before it, a warm spare's, counts 0).
+    # ``needed``: no phase is said before it is; an optional mark said after the next one is out
+    # of order and ends nothing. ``stepped``: it says the first step is done.
+    phases: tuple[tuple[str, str], ...] = ()
+    needed: bool = False
+    stepped: bool = False
+    # CAUSE: the value that says it, why the attempt began at step 0 ({script}: the script's
+    # name) and the fix; the first CAUSE fact said, in this order, is the one given.
+    when: object = None
+    why: str = ""
+    fix: str = ""
+
+
+_TIME = (int, float)
+_FIX_CALL = (
+    "add one line after the model and optimizer are built, `start = smartckpt_cli.start_step()`, "
+    'and count the loop from `start` (README, section "Your loop")'
+)
+_FIX_EARLY = (
+    "call smartckpt_cli.start_step() after building the model, optimizer and schedulers "
+    '(README, section "Your loop")'
+)
+
+# Every fact a training process may put in its report.<pid>.json: the one list of the
+# child-to-supervisor report (the child's engine/report.py writes no other name). A new fact the
+# run record keeps is one entry here (use KEPT or START, and its kind) plus the field of the same
+# name in supervise/records.py's AttemptRecord.
+FACTS: dict[str, Fact] = {
+    "pid": Fact("the reporting process"),
+    "rank": Fact("its rank (-1: no torch.distributed rank)"),
+    "start_step": Fact("the step the script really began at", START, int),
+    "restored_from": Fact(
+        "where that step came from: ram, disk, remote, or null (nothing restored)", START, (str, type(None))
+    ),
+    "checkpoint": Fact("the id of the checkpoint restored"),
+    "lineage": Fact("the lineage it continues (engine/restore.py's same_lineage)"),
+    "start_step_early": Fact(
+        "the script called start_step() before any optimizer existed",
+        CAUSE,
+        bool,
+        when=True,
+        why="{script} calls smartckpt_cli.start_step() before its optimizer exists",
+        fix=_FIX_EARLY,
+    ),
+    "start_step_called": Fact(
+        "whether the script called start_step()",
+        CAUSE,
+        bool,
+        when=False,
+        why="{script} does not call smartckpt_cli.start_step()",
+        fix=_FIX_CALL,
+    ),
+    "resume_check": Fact("the resume check's verdict: {step, verdict, expected, got}", KEPT, dict),
+    "no_optimizer": Fact("backward passes, but no torch.optim optimizer ever stepped", KEPT, bool),
+    "checkpointing_off": Fact("zero-code checkpointing turned itself off: {why, step}", KEPT, dict),
+    "save_failures": Fact("background saves failing: {count, last, step}", KEPT, dict),
+    "io_error": Fact(
+        "a write on the loop's path failing: {what, error}; null once it works again", KEPT, dict
+    ),
+    "commit_interrupted": Fact("a save cut off before its commit: {step, error}"),
+    "torch_ready": Fact(
+        "wall time: torch imported and the hooks in (a start's first phase)", PHASE, _TIME, (("imports", ""),)
+    ),
+    "restore_began": Fact("wall time: the restore began", PHASE, _TIME, (("to_restore", ""),), needed=True),
+    "restore_done": Fact(
+        "wall time: the restore ended", PHASE, _TIME, (("restore", "restore_began"),), needed=True
+    ),
+    "first_step_done": Fact(
+        "wall time: the first step after the start ended",
+        PHASE,
+        _TIME,
+        (("to_first_step", "restore_done"), ("start_to_first_step", "")),
+        stepped=True,
+    ),
+    "first_step": Fact("that step's number"),
 }
 
-# The facts an attempt's run record keeps as the child last said them, each in the field of the
-# same name of supervise/records.py's AttemptRecord, with the type a value must have to be taken
-# (anything else is ignored: the report is read back, never trusted). A new fact the run record
-# keeps is one entry here plus its field there.
-KEPT_FACTS: dict[str, type] = {
-    "resume_check": dict,
-    "no_optimizer": bool,
-    "checkpointing_off": dict,
-    "save_failures": dict,
-    "io_error": dict,
-}
+# Derived, for who needs only the names: every fact and its meaning; the facts each attempt's
+# run record keeps as last said, with their kind.
+REPORT_FACTS: dict[str, str] = {name: fact.meaning for name, fact in FACTS.items()}
+KEPT_FACTS: dict[str, type | tuple[type, ...]] = {n: f.kind for n, f in FACTS.items() if f.use == KEPT}
+
+
+def of_use(use: str) -> list[str]:
+    """The names of the facts of ``use``, in their order here."""
+    return [name for name, fact in FACTS.items() if fact.use == use]
+
+
+def taken(report: dict[str, Any], use: str) -> dict[str, Any]:
+    """The facts of ``use`` that ``report`` says with a value of their kind, in their order here."""
+    out = {}
+    for name in of_use(use):
+        if name in report and _of_kind(report[name], FACTS[name].kind):
+            out[name] = report[name]
+    return out
+
+
+def _of_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+
 
 # Set by the supervisor in the child's environment.
 ENV_RUN_DIR = "SMARTCKPT_RUN_DIR"  # the run directory above; its presence arms the hooks

@@ -1,6 +1,8 @@
-"""The child-to-supervisor report is one list (``REPORT_FACTS`` in hooks/_smartckpt_protocol.py):
-every fact this package reports is on it, a name that is not is never written, and each fact the
-run record keeps (``KEPT_FACTS``) has its field in the attempt record and reaches it."""
+"""The child-to-supervisor report is one list (``FACTS`` in hooks/_smartckpt_protocol.py):
+every fact this package reports is on it, a name that is not is never written, each fact the run
+record keeps (use KEPT or START) has its field in the attempt record and reaches it, and only the
+owning modules read a fact by its name (childreport.py, and records.py that declares the fields):
+the rest of the supervisor and the CLI go through them."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from smartckpt_cli.hooks import _smartckpt_protocol as proto
 
 import smartckpt_cli
 from smartckpt_cli.engine import report as report_mod
-from smartckpt_cli.supervise.childreport import learn
-from smartckpt_cli.supervise.records import AttemptRecord
+from smartckpt_cli.supervise.childreport import learn, restart_phases
+from smartckpt_cli.supervise.records import AttemptRecord, RunRecord
 
 PACKAGE = Path(smartckpt_cli.__file__).parent
 
@@ -52,10 +54,77 @@ def test_every_fact_the_package_reports_is_in_the_protocol():
     assert not unknown, f"reported but not in REPORT_FACTS: {unknown}"
 
 
+RECORDED = proto.of_use(proto.KEPT) + proto.of_use(proto.START)  # the record's fields of their names
+USED = [name for name, fact in proto.FACTS.items() if fact.use]  # what the supervisor reads
+OWNERS = {"supervise/childreport.py", "supervise/records.py"}
+# Another object's attribute of the same name: ``smartckpt inspect``'s catalog (from the journal).
+NOT_THE_RECORD = {("cli/inspect_cmd.py", "checkpointing_off")}
+
+
 def test_every_kept_fact_has_its_field_in_the_attempt_record():
     fields = {f.name: f for f in dataclasses.fields(AttemptRecord)}
-    for name in proto.KEPT_FACTS:
-        assert name in proto.REPORT_FACTS and name in fields, name
+    assert set(proto.KEPT_FACTS) <= set(RECORDED) and {"start_step", "resume_check"} <= set(RECORDED)
+    missing = [name for name in RECORDED if name not in fields]
+    assert not missing, f"kept in the run record but no AttemptRecord field: {missing}"
+    for name, fact in proto.FACTS.items():  # the declarations hold together
+        assert fact.use in ("", proto.KEPT, proto.START, proto.CAUSE, proto.PHASE), name
+        assert all(since in proto.of_use(proto.PHASE) for _, since in fact.phases if since), name
+        assert fact.use != proto.CAUSE or (fact.why and fact.fix), name
+
+
+def _readers(names: set[str], *, owners: set[str]) -> list[str]:
+    """Where the supervisor or the CLI, outside ``owners``, reads one of ``names`` by name: an
+    attribute of that name (not ``self.``'s own) or the name as a string (``report.get("x")``,
+    ``getattr(att, "x")``)."""
+    found = []
+    for path in sorted([*(PACKAGE / "supervise").glob("*.py"), *(PACKAGE / "cli").glob("*.py")]):
+        rel = str(path.relative_to(PACKAGE))
+        if rel in owners:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                own = isinstance(node.value, ast.Name) and node.value.id == "self"
+                if not own and (rel, node.attr) not in NOT_THE_RECORD:
+                    found.append(f"{rel}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_a_fact_is_read_by_name_only_in_its_owning_module():
+    names = set(RECORDED) | set(USED)
+    # the scan sees the owners' reads, so it would see anyone else's
+    assert any("childreport.py" in where for where in _readers(names, owners=set()))
+    readers = _readers(names, owners=OWNERS)
+    assert not readers, f"read by name outside {sorted(OWNERS)} (use childreport.py's functions): {readers}"
+
+
+def test_the_cli_knows_no_field_of_the_run_record():
+    fields = {f.name for f in dataclasses.fields(RunRecord)} | {"restarts", "path", "to_json"}
+    found = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("supervise.records"):
+                found += [f"{path.name}: imports {a.name}" for a in node.names if a.name.endswith("Record")]
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "record"
+                and node.attr in fields
+            ):
+                found.append(f"{path.name}:{node.lineno} .record.{node.attr}")
+    assert not found, f"the CLI reads the run record (supervise/summary.py words it): {found}"
+
+
+def test_restart_phases_follow_the_declarations():
+    marks = {"restore_began": 102.0, "restore_done": 102.5}
+    assert restart_phases(100.0, {"torch_ready": 99.0, **marks}) == {
+        "imports": 0.0,
+        "to_restore": 2.0,
+        "restore": 0.5,
+    }
+    assert "imports" not in (restart_phases(100.0, {"torch_ready": 103.0, **marks}) or {})  # out of order
+    assert restart_phases(100.0, {"restore_began": True, "restore_done": 102.5}) is None  # not a wall time
 
 
 @pytest.mark.parametrize("name", sorted(proto.KEPT_FACTS))

@@ -303,7 +303,7 @@ def test_learn_and_say_where_an_attempt_began() -> None:
 
 
 def test_summary_lines_never_show_a_raw_none() -> None:
-    from smartckpt_cli.cli.run import _attempt_line
+    from smartckpt_cli.supervise.summary import attempt_line as _attempt_line
 
     died = AttemptRecord(0, 1, 0.0, category="no-progress", cause="failed before its first training step")
     assert "None" not in _attempt_line(died, False) and "before its first step" in _attempt_line(died, False)

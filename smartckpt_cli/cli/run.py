@@ -24,8 +24,8 @@ from smartckpt_cli.config import Settings, load_settings, parse_every
 from smartckpt_cli.errors import ConfigError
 from smartckpt_cli.supervise.child import python_command
 from smartckpt_cli.supervise.pace import eta_text
-from smartckpt_cli.supervise.records import AttemptRecord
 from smartckpt_cli.supervise.runstate import RunOptions, RunState, trouble_text
+from smartckpt_cli.supervise.summary import summary_lines
 from smartckpt_cli.supervise.supervisor import Supervisor
 
 __all__ = ["run_command"]
@@ -145,8 +145,7 @@ def run_command(
     )
     meta_root = Path(settings.meta_dir or settings.dir) if settings.remote else None
     code = _supervise(sup, console, settings.log_every, meta_root, live=tty)
-    if sup.record.attempts:  # nothing ran when the training had finished already
-        _summary(sup, console)
+    _summary(sup, console)  # nothing when no attempt ran (the training had finished already)
     return code
 
 
@@ -227,49 +226,6 @@ def _fresh_line(stream: Any) -> str:
 
 
 def _summary(sup: Supervisor, console: Console) -> None:
-    rec = sup.record
-    data = rec.to_json()
-    console.print(
-        f"smartckpt: run {rec.run_id} {rec.outcome} (exit {rec.exit_code}): {rec.restarts} restart(s), "
-        f"{rec.checkpoints_taken} checkpoint(s) taken, {data['wall_seconds']:.1f} s wall, "
-        f"{data['steps_lost']} step(s) and {data['seconds_lost']:.1f} s lost",
-        markup=False,
-    )
-    if (
-        rec.restarts
-        or rec.outcome != "finished"
-        or any(a.began_again or a.resume_check for a in rec.attempts)
-    ):
-        for i, a in enumerate(rec.attempts):
-            console.print(f"smartckpt:   {_attempt_line(a, i + 1 < len(rec.attempts))}", markup=False)
-    if not rec.checkpoints_taken and any(a.no_optimizer for a in rec.attempts):
-        console.print(
-            "smartckpt:   no checkpoint: the training never stepped a torch.optim optimizer (zero-code "
-            "checkpointing needs one; for a hand-written update, use a CheckpointManager)",
-            markup=False,
-        )
-    console.print(f"smartckpt: run record: {rec.path()}", markup=False)
-
-
-def _attempt_line(a: AttemptRecord, followed: bool) -> str:
-    """One attempt, in words (never a raw None); ``followed``: another attempt came after it."""
-    if a.start_step is None:
-        began = "began at an unreported step"
-    elif a.restored_from is not None:
-        began = f"resumed at step {a.start_step} (restored from {a.restored_from})"
-    elif a.began_again:
-        began = f"began again at step 0 ({a.began_again})"
-    else:
-        began = f"began at step {a.start_step}"
-    # the step first: a cause may name a step of its own ("boom at step 20")
-    at = f" at step {a.max_step}" if a.max_step is not None else " before its first step"
-    end = f"finished{at}" if a.category == "done" else f"ended{at}: {a.cause or 'no cause known'}"
-    line = f"attempt {a.attempt}: {began}; {end}"
-    if a.restart_from is not None:
-        lost = f"{a.steps_lost} step(s)" if a.steps_lost is not None else "an unknown number of steps"
-        nxt = "the next attempt began" if followed else "no attempt followed; a restart would resume"
-        line += f"; lost {lost}, {a.seconds_lost or 0:.1f} s ({nxt} at step {a.restart_from})"
-    check = a.resume_check
-    if check:
-        line += f"; resume check at step {check.get('step')}: {check.get('verdict')}"
-    return line
+    """The run's exit summary (supervise/summary.py words it from the run record)."""
+    for line in summary_lines(sup.record):
+        console.print(f"smartckpt: {line}", markup=False)

@@ -5,6 +5,12 @@ does not call ``start_step()`` begins again at step 0 whatever checkpoints exist
 child knows whether it restored.
 
 Pure: the supervisor reads the files (``RunDir.reports``) and prints what these return.
+
+The one reader of the report and of the facts the attempt's record keeps from it: what each
+fact is for comes from its declaration (``proto.FACTS``: its use, its kind, the phases a wall
+time ends, the cause a value says), so a new fact is an entry there plus, when the record keeps
+it, its ``AttemptRecord`` field. The supervisor, the summary and the CLI read those fields
+through the functions here (``tests/test_child_protocol.py`` scans for any other reader).
 """
 
 from __future__ import annotations
@@ -17,21 +23,23 @@ from smartckpt_cli.supervise.records import AttemptRecord
 
 __all__ = [
     "began_again",
+    "began_at",
+    "began_words",
+    "check_words",
     "lead_report",
     "learn",
+    "never_stepped",
     "predicted_start",
     "restart_phases",
+    "said_how_it_began",
     "script_name",
+    "settle_resume_check",
     "start_line",
+    "stepped",
+    "trouble_detail",
     "trouble_lines",
     "trouble_summary",
 ]
-
-FIX_CALL = (
-    "add one line after the model and optimizer are built, `start = smartckpt_cli.start_step()`, "
-    'and count the loop from `start` (README, section "Your loop")'
-)
-FIX_EARLY = 'call smartckpt_cli.start_step() after building the model, optimizer and schedulers (README, section "Your loop")'
 
 
 def script_name(command: list[str]) -> str:
@@ -49,12 +57,16 @@ def lead_report(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(reports, key=lambda r: (max(int(r.get("rank", -1) or -1), 0), int(r.get("pid", 0) or 0)))
 
 
+def _causes(report: dict[str, Any]) -> list[proto.Fact]:
+    """The CAUSE facts whose value in ``report`` says the script does not resume, in order."""
+    said = proto.taken(report, proto.CAUSE)
+    return [proto.FACTS[name] for name, value in said.items() if value == proto.FACTS[name].when]
+
+
 def began_again(report: dict[str, Any], script: str) -> tuple[str, str]:
     """(why a script began at step 0 although a checkpoint existed, the fix)."""
-    if report.get("start_step_early"):
-        return f"{script} calls smartckpt_cli.start_step() before its optimizer exists", FIX_EARLY
-    if report.get("start_step_called") is False:
-        return f"{script} does not call smartckpt_cli.start_step()", FIX_CALL
+    for fact in _causes(report):
+        return fact.why.format(script=script), fact.fix
     return "nothing was restored", "see the child's output above for why"
 
 
@@ -63,36 +75,53 @@ def learn(
 ) -> list[str]:
     """Take what ``report`` says into ``att``; returns what is new: ``"start"`` (where it began
     is known now; ``"corrected"`` too when it said otherwise before) and each of the protocol's
-    ``KEPT_FACTS`` said for the first time in this attempt."""
-    new = []
-    start = report.get("start_step")
-    came_from = report.get("restored_from")
-    # Taken when first said, and again when the child corrects itself (zero-code mode stood down
-    # for the script's own manager, which then restored): the record holds what happened.
-    if (
-        isinstance(start, int)
-        and not isinstance(start, bool)
-        and (att.start_step, att.restored_from) != (start, came_from)
-    ):
-        if att.start_step is not None:
-            new.append("corrected")  # said before: the line after says it was not so
-        att.start_step, att.restored_from = start, came_from
-        att.began_again = ""
-        if start == 0 and came_from is None and att.newest_checkpoint > 0:
-            att.began_again = began_again(report, script)[0]
-        new.append("start")
+    KEPT facts said for the first time in this attempt."""
+    new = _learn_start(att, report, script)
     phases = restart_phases(att.started, report, prev)
     if phases and phases != att.phases:
         att.phases = phases
-    for key, kind in proto.KEPT_FACTS.items():
-        value = report.get(key)
+    for key, value in proto.taken(report, proto.KEPT).items():
         # io_error turns null when writing works again: the record keeps the last one seen.
         # What is new is what was never seen in this attempt: said once, then kept current.
-        if isinstance(value, kind) and value and value != getattr(att, key):
+        if value and value != getattr(att, key):
             if not getattr(att, key):
                 new.append(key)
             setattr(att, key, value)
     return new
+
+
+def _learn_start(att: AttemptRecord, report: dict[str, Any], script: str) -> list[str]:
+    """The START facts into ``att``, all together, once the first (the step) is said: taken when
+    first said, and again when the child corrects itself (zero-code mode stood down for the
+    script's own manager, which then restored): the record holds what happened."""
+    names = proto.of_use(proto.START)
+    said = proto.taken(report, proto.START)
+    start = [said.get(name) for name in names]
+    if names[0] not in said or [getattr(att, name) for name in names] == start:
+        return []
+    new = ["corrected"] if att.start_step is not None else []  # the line after says it was not so
+    for name, value in zip(names, start, strict=True):
+        setattr(att, name, value)
+    att.began_again = ""
+    if att.start_step == 0 and att.restored_from is None and att.newest_checkpoint > 0:
+        att.began_again = began_again(report, script)[0]
+    return [*new, "start"]
+
+
+def began_at(att: AttemptRecord) -> int | None:
+    """The step the child said its attempt began at; None until it says."""
+    return att.start_step
+
+
+def stepped(report: dict[str, Any]) -> bool:
+    """Whether ``report`` says the first step is done (a flash persist behind it may start)."""
+    marks = proto.taken(report, proto.PHASE)
+    return any(proto.FACTS[name].stepped for name in marks)
+
+
+def settle_resume_check(att: AttemptRecord) -> None:
+    """An ended attempt that resumed gets a resume check's verdict, reported or not."""
+    att.resume_check = att.resume_check or unchecked_resume(att)
 
 
 def unchecked_resume(att: AttemptRecord) -> dict[str, Any] | None:
@@ -116,26 +145,25 @@ def restart_phases(
     -> this attempt started (flash persist, backoff, spawn), ``imports`` start -> torch imported
     and the hooks installed (about 0 from a warm spare), ``to_restore`` start -> restore began
     (imports, the script's own set-up, building the model), ``restore``, ``to_first_step``
-    restore done -> the first resumed step done, ``start_to_first_step``."""
-    keys = ("torch_ready", "restore_began", "restore_done", "first_step_done")
-    t = {k: report.get(k) for k in keys}
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in t.values() if v is not None):
-        return None
-    began, done, first = t["restore_began"], t["restore_done"], t["first_step_done"]
-    if began is None or done is None:
+    restore done -> the first resumed step done, ``start_to_first_step``. Which wall time ends
+    which phase, measured from what, is each PHASE fact's declaration (``proto.FACTS``)."""
+    marks: dict[str, float] = proto.taken(report, proto.PHASE)
+    names = list(marks)
+    if any(proto.FACTS[name].needed and name not in marks for name in proto.of_use(proto.PHASE)):
         return None
     out: dict[str, float] = {}
     if prev is not None and prev.died is not None and prev.ended >= prev.died:
         out["detection"] = round(prev.ended - prev.died, 4)
         out["relaunch"] = round(started - prev.ended, 4)
-    ready = t["torch_ready"]
-    if ready is not None and ready <= began:
-        out["imports"] = round(max(0.0, ready - started), 4)
-    out["to_restore"] = round(began - started, 4)
-    out["restore"] = round(done - began, 4)
-    if first is not None:
-        out["to_first_step"] = round(first - done, 4)
-        out["start_to_first_step"] = round(first - started, 4)
+    for i, name in enumerate(names):
+        fact, at = proto.FACTS[name], marks[name]
+        if not fact.needed and names[i + 1 :] and at > marks[names[i + 1]]:
+            continue  # out of order: said after the mark that follows it
+        for phase, since in fact.phases:
+            if not since:
+                out[phase] = round(max(0.0, at - started), 4)  # before the start: a warm spare's
+            elif since in marks:
+                out[phase] = round(at - marks[since], 4)
     return out
 
 
@@ -234,6 +262,53 @@ def start_line(
 def predicted_start(report: dict[str, Any] | None, newest: int) -> int:
     """Where the next attempt of the same script will begin: 0 when this one did not restore
     through ``start_step()`` (the next one will not either), else the newest checkpoint."""
-    if report is not None and (report.get("start_step_called") is False or report.get("start_step_early")):
+    if report is not None and _causes(report):
         return 0
     return newest
+
+
+def trouble_detail(att: AttemptRecord, detail: dict[int, str]) -> None:
+    """The reasons behind the heartbeat's trouble flags, for the status line: ``detail`` (the
+    view's, filled in place) from what the child reported."""
+    detail.clear()
+    if att.checkpointing_off is not None:
+        detail[proto.CHECKPOINTING_OFF] = (
+            f"since step {att.checkpointing_off.get('step')}: {att.checkpointing_off.get('why')}"
+        )
+    if att.save_failures is not None:
+        detail[proto.SAVE_FAILING] = (
+            f"{att.save_failures.get('count')} failed, last: {att.save_failures.get('last')}"
+        )
+    if att.io_error is not None:
+        detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"
+
+
+# ---------------------------------------------------------------- the run's summary (summary.py)
+
+
+def said_how_it_began(att: AttemptRecord) -> bool:
+    """Whether the child said something of its start worth the summary's attempt lines: it
+    began again at step 0 although a checkpoint existed, or its resume was checked."""
+    return bool(att.began_again or att.resume_check)
+
+
+def began_words(att: AttemptRecord) -> str:
+    """Where an attempt began, in words (never a raw None)."""
+    if att.start_step is None:
+        return "began at an unreported step"
+    if att.restored_from is not None:
+        return f"resumed at step {att.start_step} (restored from {att.restored_from})"
+    if att.began_again:
+        return f"began again at step 0 ({att.began_again})"
+    return f"began at step {att.start_step}"
+
+
+def check_words(att: AttemptRecord) -> str:
+    """The resume check's verdict, as the attempt line ends with it ("" without one)."""
+    check = att.resume_check
+    return f"; resume check at step {check.get('step')}: {check.get('verdict')}" if check else ""
+
+
+def never_stepped(attempts: list[AttemptRecord]) -> bool:
+    """Whether a child said its training never stepped a torch.optim optimizer."""
+    return any(a.no_optimizer for a in attempts)

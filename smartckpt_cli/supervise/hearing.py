@@ -19,14 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from smartckpt_cli.hooks import _smartckpt_protocol as proto
 from smartckpt_cli.supervise.child import RunDir
-from smartckpt_cli.supervise.childreport import lead_report, learn, start_line, trouble_lines
+from smartckpt_cli.supervise.childreport import (
+    began_at,
+    lead_report,
+    learn,
+    start_line,
+    stepped,
+    trouble_detail,
+    trouble_lines,
+)
 from smartckpt_cli.supervise.records import AttemptRecord
 from smartckpt_cli.supervise.restarts import record_lost
 from smartckpt_cli.supervise.runstate import Emit, RunState
 
-__all__ = ["Hearing", "trouble_detail"]
+__all__ = ["Hearing"]
 
 
 @dataclass
@@ -52,34 +59,19 @@ class Hearing:
             return
         self.report = report
         new = learn(att, report, self.script, prev)
-        if report.get("first_step_done") is not None:
+        if stepped(report):
             self.first_step.set()
         trouble_detail(att, self.state.trouble_detail)
         for level, text in trouble_lines(att, new):
             self.emit(level, text)
-        if "start" not in new:
+        began = began_at(att)
+        if "start" not in new or began is None:
             return
-        if prev is not None and att.start_step is not None and prev.restart_from != att.start_step:
+        if prev is not None and prev.restart_from != began:
             # the restart began elsewhere than expected: what the dead attempt lost is counted again
-            prev.restart_from = att.start_step
+            prev.restart_from = began
             record_lost(prev, self.prev_seen)
             self.save_record()
         said = start_line(att, report, self.script, prev, corrected="corrected" in new)
         if said is not None:
             self.emit(*said)
-
-
-def trouble_detail(att: AttemptRecord, detail: dict[int, str]) -> None:
-    """The reasons behind the heartbeat's trouble flags, for the status line: ``detail`` (the
-    view's, filled in place) from what the child reported."""
-    detail.clear()
-    if att.checkpointing_off is not None:
-        detail[proto.CHECKPOINTING_OFF] = (
-            f"since step {att.checkpointing_off.get('step')}: {att.checkpointing_off.get('why')}"
-        )
-    if att.save_failures is not None:
-        detail[proto.SAVE_FAILING] = (
-            f"{att.save_failures.get('count')} failed, last: {att.save_failures.get('last')}"
-        )
-    if att.io_error is not None:
-        detail[proto.IO_FAILING] = f"{att.io_error.get('what')}: {att.io_error.get('error')}"

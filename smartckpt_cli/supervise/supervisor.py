@@ -45,10 +45,11 @@ from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.redact import redact_argv
 from smartckpt_cli.supervise.child import RunDir, child_env, interpreter_flags_warning
 from smartckpt_cli.supervise.childreport import (
+    began_at,
     predicted_start,
     script_name,
+    settle_resume_check,
     trouble_summary,
-    unchecked_resume,
 )
 from smartckpt_cli.supervise.forward import Forwarder, killpg
 from smartckpt_cli.supervise.hearing import Hearing
@@ -194,7 +195,7 @@ class Supervisor:
         """What follows the attempt (``policy.classify``), written into its record."""
         outcome = classify(end, patterns=self.s.no_restart_patterns)
         att.category, att.cause, att.exit_code = outcome.category, outcome.cause, outcome.exit_code
-        att.resume_check = att.resume_check or unchecked_resume(att)
+        settle_resume_check(att)
         if outcome.category == "oom" and self._last_usage is not None:
             u = self._last_usage
             att.cause += (
@@ -363,7 +364,7 @@ class Supervisor:
             self.signals.forward(proc.pid)
             poll.grace_over(self.signals, now)
             poll.listen(now, stopping=self.signals.stop is not None)
-            if att.start_step is None:  # where it began: said as soon as the child says it
+            if began_at(att) is None:  # where it began: said as soon as the child says it
                 heard.hear()
             self._tend_spare(att)
             if poll.due(now):
@@ -423,7 +424,7 @@ class Supervisor:
         one's imports, restore and first step (a heartbeat is no sign of training: the restore
         beats too; on 2 cores a spare started then slowed a warm restart's restore and first
         resumed step, docs/recovery.md)."""
-        began, step = att.start_step, self.state.step
+        began, step = began_at(att), self.state.step
         stepped = began is not None and step is not None and step > began
         # with the hooks live a step says it trains; without them, only time can
         training = stepped or (not self.state.hooks_live and time.time() - att.started > HOOKS_GRACE)
