@@ -34,16 +34,16 @@ def round_parts(rep: Replicator) -> int:
     object of every step whose parts are all marked (parts.py)."""
     rstate = rep.remote_state(may_init=rep.rank == 0)
     local = rep.store.journal.read()
-    markers = set(rep._retry("part listing", lambda: rep.remote.list(PARTS_DIR)))
+    markers = set(rep.retry("part listing", lambda: rep.remote.list(PARTS_DIR)))
     remote_live = rstate.live_ids()
     newest = abandoned_before(local.records, remote_live)
-    todo = [r for r in plan_round(local, rstate, rep._skip).upload if r.position > newest]
-    rep._remote_live = remote_live
+    todo = [r for r in plan_round(local, rstate, rep.progress.skip).upload if r.position > newest]
+    rep.progress.remote_live = remote_live
     seq = rstate.next_seq
     waiting = False
     left: list[CheckpointRecord] = []
     for rec in todo:
-        if rep._stop:
+        if rep.stopping:
             left.append(rec)
             continue
         parts = record_parts(rec)
@@ -57,12 +57,12 @@ def round_parts(rep: Replicator) -> int:
                 _upload_part(rep, rec, parts[rep.rank])
             except (LocalBlobGone, _LocalCorrupt) as err:
                 if any(r.id == rec.id and r.live for r in rep.store.journal.read().records):
-                    rep._skip.add(rec.id)
+                    rep.progress.skip.add(rec.id)
                     logger.error("remote: step %d: this rank's part is not uploadable (%s)", rec.step, err)
                 continue
             markers.add(mine)
             rep.status.parts_sent += 1
-        rep._marked.add(rec.id)
+        rep.progress.marked.add(rec.id)
         if rep.rank != 0:
             continue
         if missing_markers(rec, markers):
@@ -70,11 +70,11 @@ def round_parts(rep: Replicator) -> int:
             left.append(rec)
             continue
         # IMPORTANT: the commit object goes last, after every rank's part is marked.
-        rep._retry("commit", _writer(rep.journal, seq, rec))
+        rep.retry("commit", _writer(rep.journal, seq, rec))
         seq += 1
         rep.status.checkpoints_sent += 1
         rep.status.remote_steps.append(rec.step)
-        rep._remote_live.add(rec.id)
+        rep.progress.remote_live.add(rec.id)
     _finish_round(rep, rstate, left, waiting)
     return len(left)
 
@@ -82,23 +82,23 @@ def round_parts(rep: Replicator) -> int:
 def _finish_round(rep: Replicator, rstate: JournalState, left: list[CheckpointRecord], waiting: bool) -> None:
     """What the round leaves for the next one and for the status file: rank 0 counts what is
     still not remote in the journal it reads again; another rank, what this round left."""
-    rep._waiting = waiting
+    rep.progress.waiting = waiting
     if rep.rank == 0:
-        after = rep._retry("journal read", rep.journal.read)
-        rep._next_seq = after.next_seq
-        rep._set_pending(left, after)
+        after = rep.retry("journal read", rep.journal.read)
+        rep.progress.next_seq = after.next_seq
+        rep.set_pending(left, after)
     else:
-        rep._next_seq = rstate.next_seq
+        rep.progress.next_seq = rstate.next_seq
         rep.status.pending, rep.status.pending_steps = len(left), [r.step for r in left]
-    rep._write_status()
+    rep.publish_status()
 
 
 def _upload_part(rep: Replicator, rec: CheckpointRecord, part: list[Any]) -> None:
     """This rank's part of ``rec``: its blobs, its part manifest, then its marker."""
-    rep._upload_checkpoint(replace(rec, manifest=part[0], manifest_hash=part[1]))
+    rep.upload_checkpoint(replace(rec, manifest=part[0], manifest_hash=part[1]))
     fault_fail("remote.part")  # tests: a rank killed (or failing) between its part and marker
     body = marker_body(rec, rep.rank)
-    rep._retry(
+    rep.retry(
         "part marker",
         lambda: rep.remote.write(f"{PARTS_DIR}/{marker_name(rec.step, rec.id, rep.rank)}", body),
     )

@@ -14,6 +14,20 @@ from smartckpt_cli.store.journal import CheckpointRecord, Journal, JournalState
 __all__ = ["LocalBlobGone", "RemoteMismatch", "RoundPlan", "plan_round"]
 
 
+@dataclass
+class RoundProgress:
+    """What one upload round leaves the next, and the status file reads: owned by the uploader
+    thread (rounds run one at a time under ``remote.lock``); the status file is written from it
+    under the replicator's ``status_lock``."""
+
+    skip: set[str] = field(default_factory=set)  # local checkpoints found damaged: never shipped
+    remote_live: set[str] = field(default_factory=set)  # remote live ids as last read
+    marked: set[str] = field(default_factory=set)  # ids whose part of this rank is marked remotely
+    waiting: bool = False  # rank 0: the last round waited for another rank's part
+    next_seq: int = -1  # the remote journal's next sequence number after our last round
+    first_seen: dict[str, float] = field(default_factory=dict)  # pending id -> when first seen
+
+
 class RemoteMismatch(Exception):
     """The remote holds another store's checkpoints: never mix them."""
 

@@ -41,6 +41,7 @@ from smartckpt_cli.remote.plan import (
     LocalBlobGone,
     RemoteMismatch,
     RoundPlan,
+    RoundProgress,
     _LocalCorrupt,
     _writer,
     plan_round,
@@ -81,9 +82,7 @@ class Replicator:
         # Several ranks (parts.py): this rank uploads its own part and marks it; rank 0 also
         # writes the commit object once every rank's part is marked, and runs retention.
         self.rank, self.world = rank, world
-        self._marked: set[str] = set()  # ids whose part of this rank is marked on the remote
-        self._waiting = False  # rank 0: the last round waited for another rank's part
-        self._first_seen: dict[str, float] = {}  # pending id -> wall time it was first seen
+        self.progress = RoundProgress()  # what one round leaves the next (plan.py)
         self.journal = replica_journal(remote)
         self.store = store
         self.store_id = store_id
@@ -91,19 +90,21 @@ class Replicator:
         self.nice = nice
         self.status = _Status()
         self._known_blobs: set[str] | None = None
-        self._remote_live: set[str] = set()  # remote live ids as last read
-        self._next_seq = -1  # the remote journal's next sequence number after our last round
         self._manifests: dict[str, dict[str, Any]] = {}
-        self._skip: set[str] = set()  # local checkpoints found damaged: never shipped
         self._cond = threading.Condition()
-        self._status_lock = threading.Lock()
+        self.status_lock = threading.Lock()
         self._wakes = 0  # bumped by wake(); a round that started after a wake covers it
         self._done = -1  # wake count at the start of the last round that left nothing pending
         self._stop = False
-        self._disabled: str | None = None
+        self.disabled: str | None = None
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ control (any thread)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop()`` was asked: a round leaves what it has not begun."""
+        return self._stop
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="smartckpt-remote", daemon=True)
@@ -114,11 +115,11 @@ class Replicator:
             self._wakes += 1
             self._cond.notify_all()
         if self._thread is not None:
-            self._write_status()  # a new commit is new lag, even while an upload is running
+            self.publish_status()  # a new commit is new lag, even while an upload is running
 
     def drain(self, timeout: float) -> bool:
         """Wait until every checkpoint committed so far is remote, at most ``timeout`` s."""
-        if self._thread is None or self._disabled:
+        if self._thread is None or self.disabled:
             return False
         self.wake()
         deadline = time.monotonic() + timeout
@@ -163,10 +164,10 @@ class Replicator:
                 if self._stop and self.world > 1:
                     return  # a round cut short by stop(): the status keeps the last error seen
             except RemoteMismatch as err:
-                self._disabled = str(err)
+                self.disabled = str(err)
                 self.status.last_error = str(err)
                 logger.error("remote tier disabled: %s", err)
-                self._write_status()
+                self.publish_status()
                 with self._cond:
                     self._cond.notify_all()
                 return
@@ -181,18 +182,18 @@ class Replicator:
                         self.status.last_error,
                         delay,
                     )
-                self._write_status()
+                self.publish_status()
                 continue
             self.status.failures_in_row, self.status.last_error, delay = 0, None, 0.0
-            self._write_status()
+            self.publish_status()
             with self._cond:
                 if pending == 0:
                     self._done = max(self._done, started)
                     self._cond.notify_all()
                 else:  # waiting for another rank's part: list again a second later
-                    delay = 1.0 if self._waiting else 0.1
+                    delay = 1.0 if self.progress.waiting else 0.1
 
-    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+    def retry(self, what: str, fn: Callable[[], T]) -> T:
         tries = max(1, self.s.remote_retries)
         for attempt in range(tries):
             try:
@@ -202,7 +203,7 @@ class Replicator:
             except Exception as err:
                 # show the trouble (inspect, the live panel) while retrying
                 self.status.last_error = f"{type(err).__name__}: {str(err)[:300]}"
-                self._write_status()
+                self.publish_status()
                 if attempt == tries - 1 or self._stop:
                     raise
                 pause = min(8.0, 0.25 * 2**attempt)
@@ -227,12 +228,12 @@ class Replicator:
 
     def _round(self) -> int:
         # The lag as last known, before touching the remote (which may be down).
-        lag = upload_lag(self.store.journal.read().records, self._remote_live)
+        lag = upload_lag(self.store.journal.read().records, self.progress.remote_live)
         self.status.pending, self.status.pending_steps = len(lag), [r.step for r in lag]
         rstate = self.remote_state()
         local = self.store.journal.read()
-        plan = plan_round(local, rstate, self._skip)
-        self._set_pending(plan.upload, rstate)
+        plan = plan_round(local, rstate, self.progress.skip)
+        self.set_pending(plan.upload, rstate)
         seq = self._upload_missing(plan.upload, rstate.next_seq)
         if plan.withdraw:
             ids = [r.id for r in plan.withdraw]
@@ -242,35 +243,35 @@ class Replicator:
                 "steps": [r.step for r in plan.withdraw],
                 "why": "rolled back",
             }
-            self._retry("withdraw", lambda: self.journal.append(event, seq=seq))
+            self.retry("withdraw", lambda: self.journal.append(event, seq=seq))
             seq += 1
         self._expire()
-        after = self._retry("journal read", self.journal.read)
-        self._next_seq = after.next_seq
-        left = plan_round(self.store.journal.read(), after, self._skip).upload
-        self._set_pending(left, after)
+        after = self.retry("journal read", self.journal.read)
+        self.progress.next_seq = after.next_seq
+        left = plan_round(self.store.journal.read(), after, self.progress.skip).upload
+        self.set_pending(left, after)
         return len(left)
 
     def remote_state(self, *, may_init: bool = True) -> JournalState:
         """The remote journal, made on first use (``may_init``: by this process; with several
         ranks rank 0 alone makes it) and refused when it is another store's; the remote's blobs
         listed again when another writer moved its journal on (or never listed)."""
-        rstate = self._retry("journal read", self.journal.read)
+        rstate = self.retry("journal read", self.journal.read)
         if rstate.store_id is None and may_init:
-            self._retry("journal init", lambda: self.journal.create(self.store_id))
-            rstate = self._retry("journal read", self.journal.read)
+            self.retry("journal init", lambda: self.journal.create(self.store_id))
+            rstate = self.retry("journal read", self.journal.read)
         if (rstate.store_id is not None or may_init) and rstate.store_id != self.store_id:
             raise RemoteMismatch(
                 f"{display_url(self.remote.url)} holds the checkpoints of another store "
                 f"({rstate.store_id}, this one is {self.store_id}); use another remote prefix"
             )
-        if rstate.next_seq != self._next_seq:
+        if rstate.next_seq != self.progress.next_seq:
             # Somebody else wrote to the remote (`prune --remote` may have removed blobs): what
             # this process believes is remote must be listed again, or dedup would skip a blob
             # that is gone and commit a checkpoint that cannot be restored.
             self._known_blobs = None
         if self._known_blobs is None:
-            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
+            self._known_blobs = self.retry("blob listing", lambda: list_blobs(self.remote))
         return rstate
 
     def _upload_missing(self, upload: list[CheckpointRecord], seq: int) -> int:
@@ -280,36 +281,36 @@ class Replicator:
             if self._stop:
                 break
             try:
-                self._upload_checkpoint(rec)
+                self.upload_checkpoint(rec)
             except LocalBlobGone:
                 if any(r.id == rec.id and r.live for r in self.store.journal.read().records):
-                    self._skip.add(rec.id)
+                    self.progress.skip.add(rec.id)
                     logger.error(
                         "remote: step %d is damaged locally (a blob is missing); not uploaded", rec.step
                     )
                 continue  # pruned locally meanwhile: nothing to ship
             except _LocalCorrupt as err:
-                self._skip.add(rec.id)
+                self.progress.skip.add(rec.id)
                 logger.error("remote: step %d is damaged locally (%s); not uploaded", rec.step, err)
                 continue
             # IMPORTANT: the commit object goes last, after every blob and the manifest.
-            self._retry("commit", _writer(self.journal, seq, rec))
+            self.retry("commit", _writer(self.journal, seq, rec))
             seq += 1
             self.status.checkpoints_sent += 1
             self.status.pending = max(0, self.status.pending - 1)
             self.status.pending_steps = [s for s in self.status.pending_steps if s != rec.step]
             self.status.remote_steps.append(rec.step)
-            self._remote_live.add(rec.id)
-            self._write_status()
+            self.progress.remote_live.add(rec.id)
+            self.publish_status()
         return seq
 
-    def _set_pending(self, pending: list[CheckpointRecord], rstate: JournalState) -> None:
-        self._remote_live = rstate.live_ids()
+    def set_pending(self, pending: list[CheckpointRecord], rstate: JournalState) -> None:
+        self.progress.remote_live = rstate.live_ids()
         self.status.pending = len(pending)
         self.status.pending_steps = [r.step for r in pending]
         self.status.remote_steps = [r.step for r in sorted(rstate.live(), key=lambda r: r.position)]
 
-    def _upload_checkpoint(self, rec: CheckpointRecord) -> None:
+    def upload_checkpoint(self, rec: CheckpointRecord) -> None:
         t0 = time.monotonic()
         try:
             data = self.store.storage.read(rec.manifest)
@@ -337,7 +338,7 @@ class Replicator:
                     continue
                 self.status.blobs_sent += 1
                 self.status.bytes_sent += n
-        self._retry(
+        self.retry(
             "manifest",
             lambda: self.remote.write(rec.manifest, data),
         )
@@ -353,14 +354,14 @@ class Replicator:
             raise LocalBlobGone(bid) from err
         if codec.blob_id(data) != bid:  # re-hash: never ship what the local disk damaged
             raise _LocalCorrupt(f"blob {bid} hash mismatch")
-        if self.world > 1 and self._retry("blob check", lambda: self.remote.exists(rel)):
+        if self.world > 1 and self.retry("blob check", lambda: self.remote.exists(rel)):
             return -1  # another rank sent this content already
-        self._retry("blob upload", lambda: self.remote.write(rel, data))
+        self.retry("blob upload", lambda: self.remote.write(rel, data))
         return len(data)
 
     def _expire(self) -> None:
         keep = self.s.remote_keep_last or self.s.keep_last
-        rstate = self._retry("journal read", self.journal.read)
+        rstate = self.retry("journal read", self.journal.read)
         doomed = select_prunable(rstate.records, keep)
         if not doomed:
             return
@@ -370,10 +371,10 @@ class Replicator:
             "steps": [r.step for r in doomed],
             "why": f"remote_keep_last={keep}",
         }
-        self._retry("prune", lambda: self.journal.append(event, seq=rstate.next_seq))
-        rstate = self._retry("journal read", self.journal.read)
+        self.retry("prune", lambda: self.journal.append(event, seq=rstate.next_seq))
+        rstate = self.retry("journal read", self.journal.read)
         if self.world > 1:  # the other ranks' blobs too (this rank's listing knows its own)
-            self._known_blobs = self._retry("blob listing", lambda: list_blobs(self.remote))
+            self._known_blobs = self.retry("blob listing", lambda: list_blobs(self.remote))
         assert self._known_blobs is not None
         known = self._known_blobs
         # Several ranks: the parts that can still be committed are those of local checkpoints
@@ -384,12 +385,12 @@ class Replicator:
             pending = still_pending(
                 self.store.journal.read().records, {r.id for r in rstate.records}, rstate.live_ids()
             )
-        self._retry(
+        self.retry(
             "garbage collection",
             lambda: remove_unreferenced(
                 self.remote, rstate, known, self._manifests, keep_pending=self.world > 1, pending_ids=pending
             ),
         )
 
-    def _write_status(self) -> None:
+    def publish_status(self) -> None:
         write_status(self)

@@ -69,7 +69,7 @@ def ship(
     finally:
         for rep in reps:
             rep.stop()
-    errors = [rep._disabled or rep.status.last_error for rep in reps]
+    errors = [rep.disabled or rep.status.last_error for rep in reps]
     error = next((e for e in errors if e), None) or first_error
     try:
         missing = ids - _committed(reps[0].remote)

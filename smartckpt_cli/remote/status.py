@@ -40,7 +40,7 @@ class _Status:
 
 
 def write_status(rep: Replicator) -> None:
-    with rep._status_lock:  # the uploader and the saver thread (wake) both write it
+    with rep.status_lock:  # the uploader and the saver thread (wake) both write it
         _write_status_locked(rep)
 
 
@@ -50,17 +50,19 @@ def _write_status_locked(rep: Replicator) -> None:
     part_steps: list[int] = []
     try:  # the lag against the remote as last seen: current even while the remote is down
         records = rep.store.journal.read().records
-        newest = abandoned_before(records, rep._remote_live) if rep.world > 1 else -1
+        newest = abandoned_before(records, rep.progress.remote_live) if rep.world > 1 else -1
         lag = [
             r
-            for r in upload_lag(records, rep._remote_live)
-            if r.id not in rep._skip and r.position > newest and (rep.rank == 0 or r.id not in rep._marked)
+            for r in upload_lag(records, rep.progress.remote_live)
+            if r.id not in rep.progress.skip
+            and r.position > newest
+            and (rep.rank == 0 or r.id not in rep.progress.marked)
         ]
         st.pending, st.pending_steps = len(lag), [r.step for r in lag]
         now = time.time()
-        seen = {r.id: rep._first_seen.get(r.id, now) for r in lag}
-        rep._first_seen = seen  # when each pending checkpoint was first seen (wake: its commit)
-        own = [r for r in lag if r.id not in rep._marked]  # this rank's part not up yet
+        seen = {r.id: rep.progress.first_seen.get(r.id, now) for r in lag}
+        rep.progress.first_seen = seen  # when each pending checkpoint was first seen (wake: its commit)
+        own = [r for r in lag if r.id not in rep.progress.marked]  # this rank's part not up yet
         part_steps = [r.step for r in own]
         oldest = min((seen[r.id] for r in own), default=None)
     except Exception as err:  # the status file is a view; never let it stop the uploader
@@ -85,7 +87,7 @@ def _write_status_locked(rep: Replicator) -> None:
         "checkpoints_sent": st.checkpoints_sent,
         "parts_sent": st.parts_sent,
         "last_upload_seconds": st.last_upload_seconds,
-        "disabled": rep._disabled,
+        "disabled": rep.disabled,
         "pid": os.getpid(),
         "updated": time.time(),
     }
