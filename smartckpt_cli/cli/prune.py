@@ -61,18 +61,11 @@ def prune(
          in progress
       2  bad input: not a store, --keep below 1
     """
-    from smartckpt_cli.errors import UsageError
     from smartckpt_cli.ops.catalog import active_writer
     from smartckpt_cli.ops.prune import carry_out
     from smartckpt_cli.store.directory import open_store
-    from smartckpt_cli.store.storage import is_url
 
-    if is_url(directory):
-        # A replica's uploader holds its lock in the local store's meta_dir: only from there can
-        # a prune know that no upload is between its blobs and its commit.
-        raise UsageError(
-            f"a replica is pruned through its store: smartckpt prune DIR --keep {keep} --remote {directory}"
-        )
+    _refuse_url(directory, keep)
     store = open_store(Path(directory), meta_dir)
     writer = active_writer(store)
     with progress_bar("verifying the newest checkpoint") as progress:
@@ -82,6 +75,18 @@ def prune(
         typer.echo(json.dumps(_result_json(result, writer, remote_plan), indent=2))
         return
     _say_result(result, keep, writer, remote_plan, dry_run)
+
+
+def _refuse_url(directory: str, keep: int) -> None:
+    """A replica's uploader holds its lock in the local store's meta_dir: only from there can a
+    prune know that no upload is between its blobs and its commit (UsageError, exit 2)."""
+    from smartckpt_cli.errors import UsageError
+    from smartckpt_cli.store.storage import is_url
+
+    if is_url(directory):
+        raise UsageError(
+            f"a replica is pruned through its store: smartckpt prune DIR --keep {keep} --remote {directory}"
+        )
 
 
 def _result_json(result: PruneResult, writer: str | None, remote_plan: RemotePlan | None) -> dict[str, Any]:
