@@ -399,10 +399,12 @@ def restore_with(
         except Exception as err:  # settled below: on every rank, a fallback or raised
             failure = err
         problem = coord.settle(item.record.step if item is not None else None, failure)
-        if problem is None and loaded is not None:
-            warn_moments_reset(loaded)
-            return loaded
-        tried.append(str(problem))
+        if problem is not None:
+            tried.append(problem)
+            continue
+        assert loaded is not None  # settled: this rank loaded it
+        warn_moments_reset(loaded)
+        return loaded
     if tried:
         raise coord.nothing_loads(tried, where)
     return None
