@@ -81,7 +81,7 @@ class CalmPath:
         if (
             step < self._record_until
             and self._pre_reading is None
-            and self._preempt.pending is None
+            and self._preempt.arrivals == self._preempt.taken  # no signal (preempt.py)
             and self._news.empty()
             and self._commits_seen == self._quiet_commits
         ):

@@ -26,8 +26,13 @@ says otherwise; the collectives of several ranks would hang otherwise):
 4. per save (background save thread, all ranks): ``persist(persister, snap, hold_gc)`` (``hold_gc()``: the store's ``gc.lock``, shared, for the whole save), then
    ``leads`` (the leader prunes the journal and journals a failed save) and
    ``collects_garbage()`` (the lowest rank of each disk);
-5. restore (training thread, all ranks): ``load(store, record, ...)`` reads this rank's part,
-   ``restore(order, load, where)`` chooses the newest checkpoint every rank can load.
+5. restore (training thread, all ranks), plain calls that return what the manager's ``read``
+   does next (engine/restoring.py): ``restore_order(candidates)`` the candidates every rank tries,
+   in rank 0's order; for each, ``load(store, record, ...)`` reads this rank's part and
+   ``settle(step, failure)`` answers with every rank's outcome (None: every rank loaded it, apply
+   it; else the problem for which every rank falls back to the next); ``nothing_loads(tried,
+   where)`` is the error when none did. ``agree_on(value)`` before them: the RAM tier's snapshot.
+   ``restore(order, load, where)`` makes the same calls for a caller that has a loader.
 """
 
 from __future__ import annotations
@@ -42,14 +47,16 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from smartckpt_cli import errors
+from smartckpt_cli._faults import fault_fail
 from smartckpt_cli.engine import distributed
 from smartckpt_cli.engine.cadence import decide_gap
-from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_distributed
+from smartckpt_cli.engine.multirank import load_part, persist_distributed, restore_order, settle_restore
 from smartckpt_cli.engine.reshard import load_resharded
-from smartckpt_cli.engine.restore import Loaded, load_checkpoint
+from smartckpt_cli.engine.restore import Loaded, load_checkpoint, warn_moments_reset
 from smartckpt_cli.engine.snapshot import Snapshot
 from smartckpt_cli.engine.writer import CommitInfo, Persister
 from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError, SmartckptError
+from smartckpt_cli.remote.fetch import Candidate
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.trigger.policies import Decision
@@ -58,7 +65,16 @@ from smartckpt_cli.trigger.policies import Decision
 # blobs for garbage (store/retention.py).
 GcHold = Callable[[], AbstractContextManager[Any]]
 
-__all__ = ["NO", "Coordinator", "Proposal", "Ranks", "SingleProcess", "Verdict", "make_coordinator"]
+__all__ = [
+    "NO",
+    "Coordinator",
+    "Proposal",
+    "Ranks",
+    "SingleProcess",
+    "Verdict",
+    "make_coordinator",
+    "restore_with",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +146,20 @@ class Coordinator(Protocol):
         workers: int,
     ) -> Loaded: ...
 
-    def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None: ...
+    def restore_order(self, order: Sequence[Candidate]) -> list[Candidate | None]:
+        """The candidates (newest first, each with a ``.record``) every rank tries, in rank 0's
+        order; None where rank 0's candidate is not in this rank's view of the journal."""
+        ...
+
+    def settle(self, step: int | None, failure: BaseException | None) -> str | None:
+        """Every rank's outcome on the candidate of ``step`` each has just tried to load
+        (``failure``: this rank's, None when it loaded): None when every rank loaded it, else the
+        problem for which every rank falls back to the next one. Raises what no fallback cures."""
+        ...
+
+    def nothing_loads(self, tried: list[str], where: Path) -> NoCheckpointError:
+        """The error when none of the candidates loaded (``tried``: their problems, newest first)."""
+        ...
 
     def agree_on(self, value: Any) -> bool:
         """Whether every rank holds the same ``value``, and not None (the RAM tier's restore:
@@ -190,31 +219,28 @@ class SingleProcess:
     def agree_on(self, value: Any) -> bool:
         return value is not None
 
+    def restore_order(self, order: Sequence[Candidate]) -> list[Candidate | None]:
+        return list(order)
+
+    def settle(self, step: int | None, failure: BaseException | None) -> str | None:
+        """A damaged candidate is fallen back from; anything else is raised as it is."""
+        if failure is None:
+            return None
+        if not isinstance(failure, CheckpointCorrupt):
+            raise failure
+        logger.warning(
+            "checkpoint of step %s is unusable (%s); falling back to the previous one", step, failure
+        )
+        return str(failure)
+
+    def nothing_loads(self, tried: list[str], where: Path) -> NoCheckpointError:
+        return NoCheckpointError(
+            f"no checkpoint in {where} verifies ({len(tried)} tried); newest problem: {tried[0]}"
+        )
+
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
         """The first of ``order`` (candidates with a ``.record``, newest first) that loads."""
-        tried: list[str] = []
-        for item in order:
-            rec = item.record
-            try:
-                loaded = load(item)
-            except CheckpointCorrupt as err:
-                logger.warning(
-                    "checkpoint of step %d is unusable (%s); falling back to the previous one", rec.step, err
-                )
-                tried.append(str(err))
-                continue
-            if "L2" in loaded.skipped_tiers:
-                logger.warning(
-                    "OPTIMIZER MOMENTS OF STEP %d ARE CORRUPT: restoring weights and hyperparameters "
-                    "and re-initialising the optimizer state (on_l2_corrupt=reset)",
-                    rec.step,
-                )
-            return loaded
-        if tried:
-            raise NoCheckpointError(
-                f"no checkpoint in {where} verifies ({len(tried)} tried); newest problem: {tried[0]}"
-            )
-        return None
+        return restore_with(self, order, load, where)
 
 
 class Ranks:
@@ -316,6 +342,7 @@ class Ranks:
         skip_corrupt_l2: bool,
         workers: int,
     ) -> Loaded:
+        fault_fail("rank.restore")  # crash tests: a rank whose load fails (_faults.py)
         if distributed.needs_reshard(record, self.world):
             return _resharded(store, record, store_id, self.rank, self.world, skip_corrupt_l2)
         return load_part(
@@ -338,15 +365,49 @@ class Ranks:
         )
         return bool(self.comm.from_root(same))
 
+    def restore_order(self, order: Sequence[Candidate]) -> list[Candidate | None]:
+        """Rank 0's candidates, as this rank's (every rank loads the same step)."""
+        by_id = {item.record.id: item for item in order}
+        return [by_id.get(cid) for cid in restore_order(self.comm, list(by_id))]
+
+    def settle(self, step: int | None, failure: BaseException | None) -> str | None:
+        return settle_restore(self.comm, step, failure)
+
+    def nothing_loads(self, tried: list[str], where: Path) -> NoCheckpointError:
+        return NoCheckpointError(
+            f"{where}: no checkpoint loads on every rank ({len(tried)} tried); newest problem: {tried[0]}"
+        )
+
     def restore(self, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path) -> Loaded | None:
         """Every rank loads the same step: the newest that verifies on all of them."""
-        by_id = {item.record.id: item for item in order}
+        return restore_with(self, order, load, where)
+
+
+def restore_with(
+    coord: Coordinator, order: Sequence[Any], load: Callable[[Any], Loaded], where: Path
+) -> Loaded | None:
+    """The newest of ``order`` (candidates with a ``.record``, newest first) that every rank can
+    load with ``load`` (candidate -> this rank's part), for a caller that has a loader; the
+    manager's ``read`` makes the same calls in line (engine/restoring.py)."""
+    tried: list[str] = []
+    for item in coord.restore_order(order):
+        loaded, failure = None, None
         try:
-            return restore_distributed(
-                self.comm, [item.record for item in order], lambda rec: load(by_id[rec.id])
-            )
-        except CheckpointCorrupt as err:
-            raise NoCheckpointError(f"{where}: {err}") from None
+            if item is None:
+                raise CheckpointCorrupt("not in this rank's view of the journal")
+            loaded = load(item)
+        except Exception as err:  # settled below: on every rank, a fallback or raised
+            failure = err
+        problem = coord.settle(item.record.step if item is not None else None, failure)
+        if problem is not None:
+            tried.append(problem)
+            continue
+        assert loaded is not None  # settled: this rank loaded it
+        warn_moments_reset(loaded)
+        return loaded
+    if tried:
+        raise coord.nothing_loads(tried, where)
+    return None
 
 
 def _resharded(

@@ -18,9 +18,10 @@ any world size, and only its own entries' hashes and plan (rank 0 handles one me
 per exchange). Every rank makes every exchange even when its own write failed, so a failed rank
 means "no commit" on all ranks, never a hang.
 
-Restore (:func:`restore_distributed`): rank 0 lists the candidates; for each, every rank loads and
-verifies its own part (resolving refs through the owner's part) and sends its verdict to rank 0,
-which tells every rank the outcome; the first step every rank can load is the one all ranks apply. A rank that cannot load its part
+Restore, on the training thread of every rank, in the manager's ``read`` (engine/restoring.py):
+rank 0 lists the candidates (:func:`restore_order`); for each, every rank loads and verifies its
+own part (:func:`load_part`, resolving refs through the owner's part) and sends its verdict to
+rank 0, which tells every rank the outcome (:func:`settle_restore`); the first step every rank can load is the one all ranks apply. A rank that cannot load its part
 (missing node-local disk, damage) makes all ranks fall back together, and the log says which rank
 and why.
 """
@@ -48,7 +49,7 @@ from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.store.ramarea import chunk_hashes
 from smartckpt_cli.store.storage.base import Storage
 
-__all__ = ["NotCommitted", "RankFailed", "persist_distributed", "restore_distributed"]
+__all__ = ["NotCommitted", "RankFailed", "persist_distributed", "restore_order", "settle_restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,62 +276,44 @@ def load_part(
     )
 
 
-def restore_distributed(
-    comm: Comm,
-    records: list[CheckpointRecord],
-    load: Any,
-) -> Loaded | None:
-    """The newest of ``records`` (rank 0's list, newest first) that every rank can load; ``load``
-    (record -> Loaded) loads this rank's part, resharded when the checkpoint was written at another
-    world size. Returns None when there is none; raises StateMismatchError on every rank when any
-    rank's state cannot be carried, and RankFailed on every rank when any rank's load raised
-    anything else (a MemoryError in an elastic read, a bug): one rank failing alone would leave
-    the others waiting in the next collective until its timeout."""
-    ids = comm.broadcast([r.id for r in records])
-    by_id = {r.id: r for r in records}
-    tried: list[str] = []
-    for cid in ids:
-        rec = by_id.get(cid)
-        verdict: list[str] | None = None
-        loaded: Loaded | None = None
-        if rec is None:
-            verdict = ["corrupt", "not in this rank's view of the journal"]
-        else:
-            try:
-                fault_fail("rank.restore")
-                loaded = load(rec)
-            except CheckpointCorrupt as err:
-                verdict = ["corrupt", str(err)]
-            except StateMismatchError as err:
-                verdict = ["refused", str(err)]
-            except Exception as err:  # whatever it is, every rank hears of it at once
-                verdict = ["error", f"{type(err).__name__}: {str(err)[:300]}"]
-                logger.error("rank %d: restoring step %d failed", comm.rank, rec.step, exc_info=err)
-        verdicts = comm.to_root(verdict)
-        outcome = comm.broadcast(_restore_outcome(verdicts) if verdicts is not None else None)
-        if outcome["failed"] is not None:
-            step_name = rec.step if rec is not None else "?"
-            raise RankFailed(f"{outcome['failed']} (restoring step {step_name}); every rank stops")
-        if outcome["refused"] is not None:
-            r, why = outcome["refused"]
-            raise StateMismatchError(why if r == comm.rank else f"rank {r}: {why}")
-        if outcome["bad"] is None:
-            return loaded
-        step = rec.step if rec is not None else "?"
-        tried.append(outcome["bad"])
-        if comm.rank == 0:
-            logger.warning(
-                "checkpoint of step %s cannot be loaded on every rank (%s); all %d ranks fall back "
-                "to the previous one together",
-                step,
-                outcome["bad"],
-                comm.world,
-            )
-    if tried:
-        raise CheckpointCorrupt(
-            f"no checkpoint loads on every rank ({len(tried)} tried); newest problem: {tried[0]}", tier="L1"
+def restore_order(comm: Comm, ids: list[str]) -> list[str]:
+    """The checkpoint ids every rank tries, newest first: rank 0's ``ids`` (its view of the
+    journal), the same on every rank."""
+    return list(comm.broadcast(ids))
+
+
+def settle_restore(comm: Comm, step: int | None, failure: BaseException | None) -> str | None:
+    """Every rank's verdict on the candidate each has just tried to load (``failure``: this
+    rank's, None when it loaded): None when every rank loaded it (every rank applies it), else the
+    problems for which every rank falls back to the next one. Raises StateMismatchError on every
+    rank when any rank's state cannot be carried, and RankFailed on every rank when any rank's
+    load raised anything else (a MemoryError in an elastic read, a bug): one rank failing alone
+    would leave the others waiting in the next collective until its timeout."""
+    verdict: list[str] | None = None
+    if isinstance(failure, CheckpointCorrupt):
+        verdict = ["corrupt", str(failure)]
+    elif isinstance(failure, StateMismatchError):
+        verdict = ["refused", str(failure)]
+    elif failure is not None:  # whatever it is, every rank hears of it at once
+        verdict = ["error", f"{type(failure).__name__}: {str(failure)[:300]}"]
+        logger.error("rank %d: restoring step %s failed", comm.rank, step, exc_info=failure)
+    verdicts = comm.to_root(verdict)
+    outcome = comm.broadcast(_restore_outcome(verdicts) if verdicts is not None else None)
+    step_name = step if step is not None else "?"
+    if outcome["failed"] is not None:
+        raise RankFailed(f"{outcome['failed']} (restoring step {step_name}); every rank stops")
+    if outcome["refused"] is not None:
+        r, why = outcome["refused"]
+        raise StateMismatchError(why if r == comm.rank else f"rank {r}: {why}")
+    if outcome["bad"] is not None and comm.rank == 0:
+        logger.warning(
+            "checkpoint of step %s cannot be loaded on every rank (%s); all %d ranks fall back "
+            "to the previous one together",
+            step_name,
+            outcome["bad"],
+            comm.world,
         )
-    return None
+    return outcome["bad"]
 
 
 def _restore_outcome(verdicts: list[list[str] | None]) -> dict[str, Any]:

@@ -13,8 +13,9 @@ calls, in this order (training thread unless said otherwise):
 
 :class:`CheckpointSource` is where a restore looks: ``adopted_store_id`` is asked once, before
 the local journal exists; ``order(state, ...)`` lists the candidates (each with a ``.record``)
-newest first and ``load(candidate, loader)`` loads one. :class:`LocalSource` is the local store
-alone. The remote tier (:class:`smartckpt_cli.remote.tier.RemoteTier`) is both, structurally;
+newest first, and ``fetch(candidate, damaged)`` downloads what the local store lacks of one (a
+candidate only the remote holds, or a local copy that failed with ``damaged``), after which the
+manager reads it from the local store again. :class:`LocalSource` is the local store alone. The remote tier (:class:`smartckpt_cli.remote.tier.RemoteTier`) is both, structurally;
 :func:`open_tiers` builds it when ``remote`` is set, and the manager talks to it only through
 these two protocols.
 """
@@ -22,19 +23,17 @@ these two protocols.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from smartckpt_cli.config import Settings
 from smartckpt_cli.engine import heartbeat
+from smartckpt_cli.errors import CheckpointCorrupt
 from smartckpt_cli.remote.fetch import Candidate
 from smartckpt_cli.store.checkpoints import candidates
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import JournalState
 
 __all__ = ["CheckpointSource", "CommitObserver", "LocalSource", "open_tiers"]
-
-T = TypeVar("T")
 
 
 @runtime_checkable
@@ -58,7 +57,7 @@ class CheckpointSource(Protocol):
 
     def order(self, state: JournalState, *, include_unhealthy: bool) -> list[Candidate]: ...
 
-    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T: ...
+    def fetch(self, cand: Candidate, damaged: CheckpointCorrupt | None = None) -> None: ...
 
 
 class LocalSource:
@@ -72,8 +71,9 @@ class LocalSource:
             for r in candidates(state.records, include_unhealthy=include_unhealthy)
         ]
 
-    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T:
-        return loader(cand.record)
+    def fetch(self, cand: Candidate, damaged: CheckpointCorrupt | None = None) -> None:
+        """Nothing to fetch from: a local candidate that fails stays failed."""
+        raise damaged or CheckpointCorrupt(f"step {cand.record.step}: no remote tier to fetch it from")
 
 
 def open_tiers(

@@ -11,6 +11,12 @@ framework's ``except KeyboardInterrupt`` still runs, and when nothing catches it
 ends by SIGINT (exit 130) with the one line that said the checkpoint, not a traceback: the checkpoint is taken, there
 is nothing to debug. A second TERM or INT before the save is handed on at once (a user who
 presses Ctrl-C twice does not want to wait for the next step).
+
+No signal is lost between the handler and :meth:`PreemptionWatch.take`: the handler runs between
+any two bytecodes of the main thread (``take`` included), and the loop that takes may be another
+thread, so the two never write the same field. The handler only appends to the list of arrivals and
+counts them (``arrivals``); ``take`` only moves its own count of those taken (``taken``);
+``pending`` reads both, and ``arrivals == taken`` is the step's fast path's test for "no signal".
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ class PreemptionWatch:
     def __init__(self, names: list[str], *, usr_continue: bool = False) -> None:
         self.signals = [getattr(signal, f"SIG{n}") for n in names]
         self.usr_continue = usr_continue
-        self.pending: int | None = None
+        self._arrived: list[int] = []  # every signal recorded, in order: the handler only appends
+        self.arrivals = 0  # how many: the handler alone writes it, after the append
+        self.taken = 0  # how many of them take() has consumed: take() alone writes it
         self._received: int | None = None  # the first signal since install: a second one is urgent
         self._previous: dict[int, Any] = {}
 
@@ -79,11 +87,26 @@ class PreemptionWatch:
             return
         if self._received is None:
             self._received = signum
-        if self.pending is None:
-            self.pending = signum
+        self._arrived.append(signum)  # the handler's only writes that take() reads (module docstring)
+        self.arrivals += 1
+
+    @property
+    def pending(self) -> int | None:
+        """The next signal received and not taken yet (None: none); the next step saves for it."""
+        taken = self.taken
+        return self._arrived[taken] if self.arrivals > taken else None
 
     def take(self) -> int | None:
-        sig, self.pending = self.pending, None
+        """The next signal received and not taken yet (None: none), with the same signal received
+        again right after it (one save answers them). A signal that arrives while this runs is
+        either taken with it or left for the next call, never dropped."""
+        arrived, taken = self._arrived, self.taken
+        if self.arrivals <= taken:
+            return None
+        sig, end = arrived[taken], taken + 1
+        while self.arrivals > end and arrived[end] == sig:
+            end += 1
+        self.taken = end
         return sig
 
     def finish(self, signum: int, step: int | None = None) -> None:

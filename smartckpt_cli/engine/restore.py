@@ -32,6 +32,7 @@ __all__ = [
     "load_checkpoint",
     "read_manifest",
     "same_lineage",
+    "warn_moments_reset",
 ]  # the two are re-exported
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,17 @@ def same_lineage(order: list[Any]) -> list[Any]:
         return order
     first = order[0].record.event.get("lineage")
     return [c for c in order if c.record.event.get("lineage") == first]
+
+
+def warn_moments_reset(loaded: Loaded) -> None:
+    """Say it loudly when ``loaded`` comes without its optimizer moments (a corrupt L2 read with
+    ``on_l2_corrupt="reset"``): the optimizer state starts over."""
+    if "L2" in loaded.skipped_tiers:
+        logger.warning(
+            "OPTIMIZER MOMENTS OF STEP %d ARE CORRUPT: restoring weights and hyperparameters "
+            "and re-initialising the optimizer state (on_l2_corrupt=reset)",
+            loaded.record.step,
+        )
 
 
 def _read_stream(blobs: BlobStore, stream: dict[str, Any], out: np.ndarray, itemsize: int, key: str) -> None:

@@ -27,14 +27,16 @@ from smartckpt_cli.engine.coordinator import Coordinator
 from smartckpt_cli.engine.observers import CheckpointSource
 from smartckpt_cli.engine.ramtier import ENV_AREA, RamTier
 from smartckpt_cli.engine.report import report
-from smartckpt_cli.engine.restore import Loaded, same_lineage
+from smartckpt_cli.engine.restore import Loaded, same_lineage, warn_moments_reset
 from smartckpt_cli.engine.resumecheck import ResumeCheck, expected_of, tolerance
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.writer import Persister
-from smartckpt_cli.errors import NoCheckpointError
+from smartckpt_cli.errors import CheckpointCorrupt, NoCheckpointError
+from smartckpt_cli.remote.fetch import Candidate
 from smartckpt_cli.state.apply import apply_checkpoint
 from smartckpt_cli.state.registry import OPTIMIZER
 from smartckpt_cli.store.directory import StoreDir
+from smartckpt_cli.store.journal import CheckpointRecord
 from smartckpt_cli.trigger.signals import Signals
 
 __all__ = ["RestorePath"]
@@ -71,37 +73,25 @@ class RestorePath:
     def read(self, *, include_unhealthy: bool = False) -> Loaded | None:
         """The newest committed checkpoint that verifies, loaded but not applied (None when the
         store has none). Integrations whose objects appear at different times (a Trainer builds
-        its optimizer inside ``train()``) read once and :meth:`apply` piece by piece."""
+        its optimizer inside ``train()``) read once and :meth:`apply` piece by piece.
+
+        In this order: the candidates, newest first (the local journal's, with a remote tier
+        the remote's too); the RAM tier's snapshot when it is as new as the newest of them and
+        verifies (on every rank: no decode); else the newest candidate of the newest lineage
+        that verifies (:meth:`_read_newest`), falling back to the previous one on damage."""
         self.wait()
         self._read_began = time.time()
         state = self.store.journal.read()
-        reset = self.settings.on_l2_corrupt == "reset"
-        # The RAM tier first (no decode): its snapshot when it is as new as the disk's newest
-        # and every chunk verifies (on every rank), else the disk, then the remote, as before.
         every = self._source.order(state, include_unhealthy=include_unhealthy)
-        loaded_ram = self._read_ram(every[0].record.step if every else -1, include_unhealthy)
-        if loaded_ram is not None:
+        loaded = self._read_ram(every[0].record.step if every else -1, include_unhealthy)
+        if loaded is not None:
             self._restored_from = "ram"
-            return loaded_ram
-
-        def read_part(rec: Any) -> Loaded:
-            return self._coord.load(
-                self.store, rec, state.store_id, skip_corrupt_l2=reset, workers=self.settings.n_workers
-            )
-
-        # The newest candidate that verifies (several ranks: on every rank); a local copy that
-        # fails is repaired from the remote tier when there is one. Only the newest lineage:
-        # falling back into an older one would resume another run's training as if it were this.
+            return loaded
+        # Only the newest lineage: falling back into an older one would resume another run's
+        # training as if it were this one.
         order = same_lineage(every)
-        where: dict[str, str] = {}
-
-        def load(cand: Any) -> Loaded:
-            got = self._source.load(cand, read_part)
-            where[got.record.id] = "remote" if getattr(cand, "where", "local") == "remote" else "disk"
-            return got
-
         try:
-            loaded = self._coord.restore(order, load, self.store.root)
+            loaded = self._read_newest(order, state.store_id)
         except NoCheckpointError as err:
             older = [c.record.step for c in every if c not in order]
             if not older:
@@ -113,9 +103,55 @@ class RestorePath:
             ) from None
         if loaded is None:
             report(start_step=0, restored_from=None, checkpoint=None, lineage=self.lineage)
-        else:
-            self._restored_from = where.get(loaded.record.id, "disk")
         return loaded
+
+    def _read_newest(self, order: list[Candidate], store_id: str | None) -> Loaded | None:
+        """The newest of ``order`` that every rank loads (None: ``order`` is empty): each rank
+        reads its part of a candidate, the coordinator tells every rank the outcome, and a
+        candidate any rank failed to load is fallen back from on every rank."""
+        tried: list[str] = []
+        for cand in self._coord.restore_order(order):  # rank 0's order, on every rank
+            loaded, failure = None, None
+            try:
+                loaded = self._read_candidate(cand, store_id)
+            except Exception as err:  # settled below, on every rank: a fallback, or raised
+                failure = err
+            problem = self._coord.settle(cand.record.step if cand is not None else None, failure)
+            if problem is not None:
+                tried.append(problem)
+                continue
+            assert cand is not None and loaded is not None  # settled: this rank loaded it
+            warn_moments_reset(loaded)
+            self._restored_from = "remote" if cand.where == "remote" else "disk"
+            return loaded
+        if tried:
+            raise self._coord.nothing_loads(tried, self.store.root)
+        return None
+
+    def _read_candidate(self, cand: Candidate | None, store_id: str | None) -> Loaded:
+        """This rank's part of ``cand``, read and verified from the local store. One only the
+        remote holds, or whose local copy fails while the remote has a copy, is downloaded
+        first (its missing or damaged parts) and read again. Raises CheckpointCorrupt."""
+        if cand is None:  # rank 0's candidate, not in this rank's journal
+            raise CheckpointCorrupt("not in this rank's view of the journal")
+        damaged = None
+        if cand.where == "local":
+            try:
+                return self._read_local(cand.record, store_id)
+            except CheckpointCorrupt as err:
+                if not cand.remote_copy:
+                    raise
+                damaged = err
+        self._source.fetch(cand, damaged)
+        return self._read_local(cand.record, store_id)
+
+    def _read_local(self, rec: CheckpointRecord, store_id: str | None) -> Loaded:
+        """This rank's part of ``rec`` from the local store, verified (resharded when it was
+        written at another world size)."""
+        reset = self.settings.on_l2_corrupt == "reset"
+        return self._coord.load(
+            self.store, rec, store_id, skip_corrupt_l2=reset, workers=self.settings.n_workers
+        )
 
     def _read_ram(self, disk_step: int, include_unhealthy: bool) -> Loaded | None:
         """The RAM tier's snapshot, verified, when it is at least as new as ``disk_step``; with

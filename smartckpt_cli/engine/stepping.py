@@ -154,7 +154,7 @@ class StepPath:
             and now < self._calm_time
             and self._pre_reading is None
             and self._pre_saved is None
-            and self._preempt.pending is None
+            and self._preempt.arrivals == self._preempt.taken  # no signal (preempt.py)
             and self._news.empty()
             and self._commits_seen == self._quiet_commits
         ):

@@ -8,8 +8,9 @@ manager calls, in this order:
    this store and keep passing the manifests' store check. With nothing to resume locally, a
    remote that does not answer is waited for (``remote_start_wait``, :mod:`.start_wait`), and
    the start refused after it, never started over with a new store id;
-2. ``order`` and ``load`` in ``restore``: what to try, and each try (local copy first, the
-   missing or damaged parts downloaded from the remote when it fails);
+2. ``order`` and ``fetch`` in ``read``: what to try, and for a candidate whose local copy is
+   missing or fails, its missing or damaged parts downloaded from the remote (the manager then
+   reads the local store again);
 3. ``on_start(store_id)`` once (the uploader starts), then ``on_commit(info)`` after each commit
    (it wakes the uploader);
 4. ``on_preempt()`` after the preemption save (``drain``), ``on_close()`` in ``close`` (both
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from smartckpt_cli.errors import CheckpointCorrupt
 from smartckpt_cli.remote.check import REMOTE_LOCK
@@ -42,8 +43,6 @@ from smartckpt_cli.store.storage import Storage
 __all__ = ["REMOTE_LOCK", "RemoteTier"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class RemoteTier:
@@ -95,26 +94,16 @@ class RemoteTier:
         remote_live = candidates(rstate.records, include_unhealthy=include_unhealthy)
         return restore_order(local, {r.id for r in state.records}, remote_live)
 
-    def load(self, cand: Candidate, loader: Callable[[Any], T]) -> T:
-        """``loader(record)`` on the local copy; when the local copy is missing or fails, the
-        missing or damaged parts are downloaded (nothing else) and it is loaded again."""
-        if cand.where == "local":
-            try:
-                return loader(cand.record)
-            except CheckpointCorrupt as err:
-                if not cand.remote_copy:
-                    raise
-                logger.warning(
-                    "local copy of step %d fails (%s); repairing it from remote %s",
-                    cand.record.step,
-                    err,
-                    self.url,
-                )
-        self._fetch(cand)
-        return loader(cand.record)
-
-    def _fetch(self, cand: Candidate) -> None:
+    def fetch(self, cand: Candidate, damaged: CheckpointCorrupt | None = None) -> None:
+        """Download ``cand``'s parts that the local store lacks or holds damaged (nothing else):
+        a candidate only the remote holds, or one whose local copy failed with ``damaged`` (said
+        in the log). Raises CheckpointCorrupt when the remote has no sound copy or cannot be
+        reached. The manager then reads the local store again."""
         rec = cand.record
+        if damaged is not None:
+            logger.warning(
+                "local copy of step %d fails (%s); repairing it from remote %s", rec.step, damaged, self.url
+            )
         with self.store.lock(GC_LOCK, shared=True):  # fetched blobs are no garbage
             try:
                 if rec.parts or self.world > 1:
