@@ -61,9 +61,9 @@ def test_retention_keeps_last_n_and_collects_garbage(tmp_path):
         "000000000005",
     ]
     # Every remaining blob is referenced by one of the two remaining manifests.
-    from smartckpt_cli.store.retention import _manifest_blobs
+    from smartckpt_cli.store.gc import read_kept
 
-    referenced = set().union(*(_manifest_blobs(LocalStorage(tmp_path), r.manifest) for r in state.live()))
+    referenced = set().union(*(read_kept(LocalStorage(tmp_path), r.manifest) for r in state.live()))
     on_disk = {f.name for f in (tmp_path / "blobs").rglob("*") if f.is_file()}
     assert on_disk == referenced
 

@@ -231,17 +231,33 @@ def test_a_failing_background_save_of_any_kind_is_recorded_never_raised(tmp_path
 def test_an_event_two_threads_journal_at_once_is_written_once(tmp_path):
     """The loop and the save thread may both journal an event (a failure, an I/O problem): the
     one that finds the other writing leaves its event pending, and the writer's next call
-    writes it, once."""
-    mgr = sc.CheckpointManager(tmp_path / "ck")
-    mgr.register(model=_model())
-    mgr._journal_flush.acquire()  # the other thread is writing
-    try:
-        mgr._journal_event({"event": "save_failed", "step": 3, "error": "x"})
-        assert not mgr.store.journal.read().failures
-    finally:
-        mgr._journal_flush.release()
-    mgr._journal_event()
-    mgr._journal_event()
-    written = mgr.store.journal.read().failures
-    assert len(written) == 1 and written[0]["step"] == 3
-    mgr.close()
+    writes it, once. Two real threads over a real journal; the first is held inside its append."""
+    import threading
+
+    from smartckpt_cli.engine.saverecord import EventBacklog
+    from smartckpt_cli.store.directory import open_store
+
+    store = open_store(tmp_path / "ck", create=True)
+    store.ensure_journal()
+    inside, go = threading.Event(), threading.Event()
+
+    class Held:
+        def append(self, event):
+            inside.set()
+            go.wait(10)
+            return store.journal.append(event)
+
+    backlog = EventBacklog()
+    backlog.add({"event": "save_failed", "step": 1, "error": "first"})
+    writer = threading.Thread(target=backlog.flush, args=(Held(),))
+    writer.start()
+    assert inside.wait(10)
+    backlog.add({"event": "save_failed", "step": 3, "error": "x"})
+    backlog.flush(store.journal)  # the other thread is writing: returns, writes nothing
+    assert not store.journal.read().failures
+    go.set()
+    writer.join(10)
+    assert [f["step"] for f in store.journal.read().failures] == [1] and backlog.pending() == 1
+    backlog.flush(store.journal)
+    backlog.flush(store.journal)
+    assert [f["step"] for f in store.journal.read().failures] == [1, 3] and backlog.pending() == 0

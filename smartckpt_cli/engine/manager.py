@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -59,13 +58,14 @@ from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.restoring import RestorePath
 from smartckpt_cli.engine.resumecheck import ResumeCheck
 from smartckpt_cli.engine.runmeta import base_meta
-from smartckpt_cli.engine.saving import SaveHandle, SavePath, SaveStats
+from smartckpt_cli.engine.saverecord import EventBacklog, SaveRecord
+from smartckpt_cli.engine.saving import SaveHandle, SavePath
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager
 from smartckpt_cli.engine.staging import StagingPrep
 from smartckpt_cli.engine.stepping import StepPath, StepResult
 from smartckpt_cli.engine.unchanged import Unchanged
-from smartckpt_cli.engine.writer import CommitInfo, Persister
+from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.procutil import lower_priority
 from smartckpt_cli.state.registry import KINDS, OPTIMIZER, RNG, adapt
 from smartckpt_cli.state.rng import RNGState
@@ -264,15 +264,12 @@ class CheckpointManager(
         )
         self._inflight: SaveHandle | None = None
         self._meta = base_meta()
-        self._stats = SaveStats()
-        self._stats_lock = threading.Lock()
-        self._unjournalled: list[dict[str, Any]] = []  # events the journal could not take yet
-        self._journal_flush = threading.Lock()  # one thread writes them at a time
+        self._record = SaveRecord()  # commits, failures, skipped steps, the newest commit
+        self._backlog = EventBacklog()  # journal events that wait for a disk
         # The newest committed checkpoint, the newest taken (committed or in flight: the trigger
         # schedules from it, a failure reverts it) and the saves' cost, behind one lock.
         self._schedule = SaveSchedule(time.monotonic())
         self._closed = False
-        self._last_commit: CommitInfo | None = None  # under _stats_lock: the property reads it
 
     def _init_restore_state(self) -> None:
         """What the last restore left: its manifest, its limits, the lineage, the resume check."""
@@ -375,13 +372,11 @@ class CheckpointManager(
 
     @property
     def failures(self) -> list[str]:
-        with self._stats_lock:
-            return list(self._stats.failures)
+        return self._record.failures()
 
     @property
     def skipped(self) -> list[int]:
-        with self._stats_lock:
-            return list(self._stats.skipped)
+        return self._record.skipped()
 
     def _io_event(self, what: str, err: OSError | None) -> None:
         """A write on the loop's path (the trace) that failed, or works again: one journal line

@@ -1,17 +1,15 @@
-"""A save as the caller holds it (:class:`SaveHandle`), what the background saves did
-(:class:`SaveStats`), and how a failure is told apart: another rank gone (:func:`peer_gone`) or
+"""A save as the caller holds it (:class:`SaveHandle`), and how a failure is told apart: another rank gone (:func:`peer_gone`) or
 the same cause again (:func:`failure_cause`)."""
 
 from __future__ import annotations
 
 import re
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from smartckpt_cli.engine.writer import CommitInfo
 
-__all__ = ["SaveHandle", "SaveStats", "failure_cause", "peer_gone"]
+__all__ = ["SaveHandle", "failure_cause", "peer_gone"]
 
 
 class SaveHandle:
@@ -78,16 +76,6 @@ class SaveHandle:
         if self._future is None or not self._future.done():
             return None
         return self._future.exception()
-
-
-@dataclass
-class SaveStats:
-    """What the background saves did (read and written under ``_stats_lock``)."""
-
-    failures: list[str] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
-    commits: int = 0
-    causes: dict[str, int] = field(default_factory=dict)  # each distinct cause, how often
 
 
 # A collective of a multi-rank commit that failed because a peer went away (killed, crashed): the

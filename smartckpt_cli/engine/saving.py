@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,8 @@ from smartckpt_cli.engine.preempt import PreemptionWatch
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, Values, capture, grad_sumsq
-from smartckpt_cli.engine.savehandle import SaveHandle, SaveStats, failure_cause, peer_gone
+from smartckpt_cli.engine.savehandle import SaveHandle, failure_cause, peer_gone
+from smartckpt_cli.engine.saverecord import EventBacklog, SaveRecord
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.snapshot import Stager, staging_specs, take_snapshot
 from smartckpt_cli.engine.unchanged import Unchanged
@@ -64,8 +64,7 @@ class SavePath:
     @property
     def last_commit(self) -> CommitInfo | None:
         """The newest checkpoint this manager committed (the save thread sets it)."""
-        with self._stats_lock:
-            return self._last_commit
+        return self._record.last_commit
 
     settings: Settings
     store: StoreDir
@@ -84,11 +83,9 @@ class SavePath:
     _closed: bool
     _inflight: SaveHandle | None
     _lazy_snapshot: Any
-    _stats: SaveStats
+    _record: SaveRecord
+    _backlog: EventBacklog
     _unchanged: Unchanged
-    _stats_lock: threading.Lock
-    _unjournalled: list[dict[str, Any]]
-    _journal_flush: threading.Lock
     _pruned_seen: int
     _last_loss: torch.Tensor | float | None
     _ram: RamTier | None
@@ -101,7 +98,6 @@ class SavePath:
     _check: ResumeCheck
     _ahead: tuple[int, Any, Any, Any] | None
     lineage: str | None
-    _last_commit: CommitInfo | None
     _news: Any  # queue.SimpleQueue[str]: "commit" / "failure", from the save thread to the loop
 
     _uncalm: Callable[[], None]  # calm.py
@@ -278,8 +274,7 @@ class SavePath:
         except Exception as err:
             self._save_failed(snap.step, err)
             raise  # held by the handle (SaveHandle.error); wait() never raises it
-        with self._stats_lock:
-            self._last_commit = info
+        self._record.newest(info)
         # what the next save may reference (engine/unchanged.py), and what changed behind its back
         if snap.fingerprints:
             self._unchanged.committed(snap.fingerprints, info.entries)
@@ -304,8 +299,7 @@ class SavePath:
                 observer.on_commit(info)
             except Exception as err:  # the commit stands whatever an observer does
                 logger.warning("after the commit of step %d: %s: %s", snap.step, type(observer).__name__, err)
-        with self._stats_lock:
-            self._stats.commits += 1
+        self._record.committed(info)
         self._news.put("commit")  # the loop asks its policy again at its next step
         self._schedule.committed(
             snap.step,
@@ -339,11 +333,7 @@ class SavePath:
             report(commit_interrupted={"step": step, "error": f"{type(err).__name__}: {err}"[:300]})
             return msg
         cause = failure_cause(err)
-        with self._stats_lock:
-            self._stats.failures.append(msg)
-            seen = self._stats.causes.get(cause, 0)
-            self._stats.causes[cause] = seen + 1
-            count = len(self._stats.failures)
+        seen, count = self._record.failed(msg, cause)
         self._news.put("failure")
         self._schedule.failed()
         if seen == 0:
@@ -361,33 +351,11 @@ class SavePath:
         return msg
 
     def _journal_event(self, event: dict[str, Any] | None = None) -> None:
-        """Append ``event`` (a failure, an I/O problem) to the journal, after any that could not
-        be written before: the journal may be on the very disk that is full. Kept (the newest
-        100) until the journal takes them; never raises. One writer at a time: the loop and the
-        save thread may both get here, and whoever holds ``_journal_flush`` writes what is
-        pending (the other's event included, or the next call does), so no line is written twice."""
-        with self._stats_lock:
-            if event is not None:
-                event = {**event, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-                self._unjournalled.append(event)
-                del self._unjournalled[:-100]
-        if not self._journal_flush.acquire(blocking=False):
-            return
-        try:
-            with self._stats_lock:
-                todo = list(self._unjournalled)
-            done = 0
-            try:
-                for ev in todo:
-                    self.store.journal.append(ev)
-                    done += 1
-            except Exception as err:  # logged where the failure itself was reported
-                logger.debug("%d event(s) wait for the journal: %s", len(todo) - done, err)
-            with self._stats_lock:
-                written = {id(ev) for ev in todo[:done]}
-                self._unjournalled = [ev for ev in self._unjournalled if id(ev) not in written]
-        finally:
-            self._journal_flush.release()
+        """Append ``event`` (a failure, an I/O problem) to the journal after any that could not
+        be written before (engine/saverecord.py's EventBacklog); never raises."""
+        if event is not None:
+            self._backlog.add(event)
+        self._backlog.flush(self.store.journal)
 
     def _retain(self) -> None:
         leader = self._coord.collects_garbage()  # the lowest rank of every disk

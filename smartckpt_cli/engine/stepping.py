@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from smartckpt_cli.engine.prestep import Boundary
 from smartckpt_cli.engine.ramtier import RamTier
 from smartckpt_cli.engine.report import report
 from smartckpt_cli.engine.resumecheck import ResumeCheck, check_job, expect_job
+from smartckpt_cli.engine.saverecord import SaveRecord
 from smartckpt_cli.engine.schedule import SaveSchedule
 from smartckpt_cli.engine.writer import Persister
 from smartckpt_cli.store.directory import StoreDir
@@ -92,8 +92,7 @@ class StepPath:
     _precursor_refused: set[str]  # what is said once: a refused precursor, a failed evaluation
     _optimizers: list[Any]
     _objects: dict[str, tuple[str, Any]]
-    _stats: Any
-    _stats_lock: threading.Lock
+    _record: SaveRecord
     _inflight: SaveHandle | None
     _preempt: PreemptionWatch
     _trace: TraceWriter
@@ -175,7 +174,7 @@ class StepPath:
 
     def _take_news(self) -> None:
         """What the save thread said since the last step (engine/saving.py puts a "commit" or a
-        "failure"): commits counted here, the failures read under the lock they are kept under."""
+        "failure"): commits counted here, the failures read from the save record."""
         failed = False
         while not self._news.empty():
             if self._news.get_nowait() == "commit":
@@ -183,9 +182,7 @@ class StepPath:
             else:
                 failed = True
         if failed:
-            with self._stats_lock:
-                n = len(self._stats.failures)
-                self._failures_seen = (n, self._stats.failures[-1] if n else None)
+            self._failures_seen = self._record.failure_count()
 
     def _boundary_step(
         self,
@@ -225,8 +222,7 @@ class StepPath:
         if verdict.agreed:
             self._signals.agreed = verdict.spacing  # rank 0's evaluation spacing, from the next launch on
         if verdict.skipped:
-            with self._stats_lock:
-                self._stats.skipped.append(step)
+            self._record.skip(step)
         if signum is not None:
             self._preempt.take()
             return self._preempted(step, signum, result)
@@ -235,9 +231,7 @@ class StepPath:
             result.saved, result.reason = result.handle.error is None, decision.reason
         elif verdict.ram:  # the RAM tier's cadence, apart from the disk's (ramtier.py)
             self._save(step, Decision(True, "ram"), lazy=bool(self._optimizers), ram_only=True)
-        with self._stats_lock:
-            result.failures = len(self._stats.failures)
-            result.last_error = self._stats.failures[-1] if self._stats.failures else None
+        result.failures, result.last_error = self._record.failure_count()
         self._calm_after(step)
         return result
 

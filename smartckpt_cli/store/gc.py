@@ -22,7 +22,7 @@ from smartckpt_cli.store.blobs import BlobStore
 from smartckpt_cli.store.journal import decode_manifest
 from smartckpt_cli.store.storage import Storage
 
-__all__ = ["Swept", "manifest_blobs", "sweep"]
+__all__ = ["Swept", "manifest_blobs", "read_kept", "sweep"]
 
 
 @dataclass
