@@ -1,5 +1,6 @@
-"""The remote tier: committed checkpoints replicated to object storage (fsspec) in the
-background, and restored from it when the local copy is gone or damaged.
+"""The remote tier: committed checkpoints replicated in the background to a second repository of
+the store's own format (an object store, or a directory), and restored from it when the local
+copy is gone or damaged.
 
 Layout under the remote URL (every object is written once and never modified)::
 
