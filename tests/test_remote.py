@@ -25,6 +25,7 @@ from smartckpt_cli import CheckpointManager
 from smartckpt_cli.ops.demo_train import build
 from smartckpt_cli.remote.check import STATUS_FILE
 from smartckpt_cli.remote.replica import open_remote, replica_journal
+from smartckpt_cli.store import leases
 from smartckpt_cli.store.directory import open_store
 from tests._s3 import SECRET, MotoServer, all_objects, client, free_port, s3_env
 from tests._state import assert_same_state
@@ -394,7 +395,8 @@ def test_verify_and_inspect_read_a_replica_by_its_url_as_they_read_a_directory(
     remote, tmp_path, python, child_env
 ):
     """One verify: `smartckpt verify URL` runs the local verify over the replica's backend (an
-    object store or a directory); inspect lists it; prune by URL is refused in one line."""
+    object store or a directory); inspect lists it; prune by URL waits for no upload
+    (a lease in the replica) and keeps the newest."""
     url, extra, _ = remote
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
@@ -414,7 +416,8 @@ def test_verify_and_inspect_read_a_replica_by_its_url_as_they_read_a_directory(
     assert sorted(r["step"] for r in json.loads(listed.stdout)["checkpoints"]) == [3, 4], listed.stdout
     local = _run([*cli, "inspect", str(tmp_path / "store"), "--json"], env)
     assert json.loads(local.stdout)["store_id"] == json.loads(listed.stdout)["store_id"]
-    # the replica loses a blob: the same line as a local verify's, exit 1
+    # the replica loses a blob: the same line as a local verify's, exit 1 (then a prune keeps
+    # the newest by the journal's rule, as --remote does)
     store = open_store(tmp_path / "store")
     bid = sorted(store.blobs.all_ids())[0]
     replica = open_remote(url)
@@ -422,9 +425,19 @@ def test_verify_and_inspect_read_a_replica_by_its_url_as_they_read_a_directory(
     bad = _run([*cli, "verify", url, "--all"], env)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert f"missing blob {bid}" in bad.stdout and "Traceback" not in bad.stderr, bad.stdout + bad.stderr
+    # prune by URL: refused while an upload holds a lease on the replica, then done
+    upload = leases.take(replica, "upload")
     refused = _run([*cli, "prune", url, "--keep", "1"], env)
-    assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert refused.stderr.count("\n") == 1 and "--remote" in refused.stderr, refused.stderr
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.count("\n") == 1 and "being written (upload by pid" in refused.stderr, (
+        refused.stderr
+    )
     assert sorted(r.step for r in replica_journal(replica).read().live()) == [3, 4]  # nothing removed
+    replica.remove(upload.rel)
+    pruned = _run([*cli, "prune", url, "--keep", "1"], env)
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert "remote: removed steps 3; kept steps 4" in pruned.stdout, pruned.stdout
+    assert sorted(r.step for r in replica_journal(replica).read().live()) == [4]
+    assert not replica.list("locks")  # the prune's own lease is gone
     nothing = _run([*cli, "verify", f"{url}-none"], env)
     assert nothing.returncode == 2 and "no journal" in nothing.stderr, nothing.stdout + nothing.stderr

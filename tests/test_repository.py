@@ -79,3 +79,35 @@ def test_a_store_opened_by_file_url_is_the_store_opened_by_directory(tmp_path: P
     assert report.ok and [r.step for r in report.results] == [2, 1]
     with pytest.raises(NotAStoreError, match="no journal"):
         open_store(f"file://{tmp_path / 'empty'}")
+
+
+def test_leases_keep_a_prune_and_an_upload_apart_and_a_dead_writers_expires() -> None:
+    import json
+    import time
+
+    from smartckpt_cli.store.leases import LEASES_DIR, STALE_AFTER, LeaseHeld, holding, others, take
+
+    storage = open_storage(_memory_url())
+    upload = take(storage, "upload")
+    with pytest.raises(LeaseHeld, match="upload by pid"), holding(storage, "prune", {"upload", "prune"}):
+        raise AssertionError("a prune ran beside an upload")
+    assert [lease.rel for lease in others(storage)] == [upload.rel]  # the refused prune's lease is gone
+    with holding(storage, "upload", {"prune"}):  # uploads do not exclude each other
+        assert len(others(storage)) == 2
+    # a lease not renewed for STALE_AFTER seconds is a dead writer's
+    storage.write(
+        upload.rel, json.dumps({"kind": "upload", "who": "x", "utc": time.time() - STALE_AFTER - 1}).encode()
+    )
+    with holding(storage, "prune", {"upload", "prune"}) as mine:
+        assert mine.kind == "prune"
+    # one that cannot be read counts as live; a name that is not a lease's is never read
+    storage.write(upload.rel, b"not json")
+    storage.write(f"{LEASES_DIR}/somebody-else.txt", b"x")
+    with pytest.raises(LeaseHeld, match="unreadable"), holding(storage, "prune", {"upload"}):
+        pass
+    # renewal rewrites the time only when due
+    assert upload.renewed(storage, now=upload.utc + 1) is upload
+    fresh = upload.renewed(storage, now=upload.utc + STALE_AFTER / 2)
+    assert (
+        fresh.utc == upload.utc + STALE_AFTER / 2 and json.loads(storage.read(upload.rel))["utc"] == fresh.utc
+    )

@@ -50,22 +50,24 @@ def prune(
 
     With --remote, --keep is applied to the remote copy too (a prune object first, then the
     manifests and the blobs no kept checkpoint references). Refused while a run's upload round
-    is in progress (try again); the running job re-lists the remote afterwards.
+    is in progress (try again); the running job re-lists the remote afterwards. A URL
+    (s3://bucket/run1) prunes that replica alone by the same rule, under a lease in it (locks/).
 
     \b
     Exit codes:
       0  pruned (or nothing to prune)
       1  no checkpoint verifies, the journal is damaged or a manifest
-         unreadable, or a save held the lock past --wait (nothing is
-         removed), the remote is unreachable or a run's upload round is
-         in progress
+         unreadable, a save held the lock past --wait (nothing removed),
+         the remote is unreachable or an upload is in progress
       2  bad input: not a store, --keep below 1
     """
     from smartckpt_cli.ops.catalog import active_writer
     from smartckpt_cli.ops.prune import carry_out
     from smartckpt_cli.store.directory import open_store
+    from smartckpt_cli.store.storage import is_url
 
-    _refuse_url(directory, keep)
+    if is_url(directory):
+        return _prune_url(directory, keep, dry_run, as_json)
     store = open_store(Path(directory), meta_dir)
     writer = active_writer(store)
     with progress_bar("verifying the newest checkpoint") as progress:
@@ -77,16 +79,49 @@ def prune(
     _say_result(result, keep, writer, remote_plan, dry_run)
 
 
-def _refuse_url(directory: str, keep: int) -> None:
-    """A replica's uploader holds its lock in the local store's meta_dir: only from there can a
-    prune know that no upload is between its blobs and its commit (UsageError, exit 2)."""
-    from smartckpt_cli.errors import UsageError
-    from smartckpt_cli.store.storage import is_url
+def _prune_url(url: str, keep: int, dry_run: bool, as_json: bool) -> None:
+    """--keep on a replica named by its URL (remote/check.prune_remote, the rule ``--remote``
+    applies), under a ``prune`` lease: refused while an upload holds one (store/leases.py)."""
+    from smartckpt_cli.errors import StoreLockedError, UsageError
+    from smartckpt_cli.remote.check import connect, prune_remote
+    from smartckpt_cli.remote.replica import display_url
+    from smartckpt_cli.store.leases import STALE_AFTER, LeaseHeld, holding
 
-    if is_url(directory):
-        raise UsageError(
-            f"a replica is pruned through its store: smartckpt prune DIR --keep {keep} --remote {directory}"
-        )
+    if keep < 1:
+        raise UsageError("--keep must be at least 1")
+    rem, journal, _ = connect(url)
+    why = f"smartckpt prune --keep {keep}"
+    try:
+        if dry_run:
+            plan = prune_remote(rem, journal, keep, dry_run=True, why=why)
+        else:
+            with holding(rem, "prune", {"upload", "prune"}):
+                plan = prune_remote(rem, journal, keep, why=why)
+    except LeaseHeld as err:
+        raise StoreLockedError(
+            f"{display_url(url)} is being written ({err}); try again (a lease not renewed for "
+            f"{STALE_AFTER / 60:.0f} min is a dead writer's)"
+        ) from None
+    if as_json:
+        typer.echo(json.dumps({"dry_run": dry_run, "remote": _remote_json(plan)}, indent=2))
+        return
+    _say_remote(plan, "would remove" if dry_run else "removed", dry_run)
+
+
+def _remote_json(plan: RemotePlan) -> dict[str, Any]:
+    return {
+        "kept": [r.step for r in plan.keep],
+        "removed": [r.step for r in plan.remove],
+        "blobs_removed": plan.blobs_removed,
+    }
+
+
+def _say_remote(plan: RemotePlan, verb: str, dry_run: bool) -> None:
+    say(
+        f"remote: {verb} steps {', '.join(str(r.step) for r in plan.remove) or 'none'}; kept steps "
+        f"{', '.join(str(r.step) for r in plan.keep) or 'none'}"
+        + ("" if dry_run else f"; {plan.blobs_removed} blob(s) removed")
+    )
 
 
 def _result_json(result: PruneResult, writer: str | None, remote_plan: RemotePlan | None) -> dict[str, Any]:
@@ -101,13 +136,7 @@ def _result_json(result: PruneResult, writer: str | None, remote_plan: RemotePla
         "bytes_freed": result.bytes_freed,
         "passed_over": result.unverified,
         "writer": writer,
-        "remote": None
-        if remote_plan is None
-        else {
-            "kept": [r.step for r in remote_plan.keep],
-            "removed": [r.step for r in remote_plan.remove],
-            "blobs_removed": remote_plan.blobs_removed,
-        },
+        "remote": None if remote_plan is None else _remote_json(remote_plan),
     }
 
 
@@ -132,11 +161,7 @@ def _say_result(
         + (f" (a run is writing this store: {writer})" if writer else "")
     )
     if remote_plan is not None:
-        say(
-            f"remote: {verb} steps {', '.join(str(r.step) for r in remote_plan.remove) or 'none'}; kept steps "
-            f"{', '.join(str(r.step) for r in remote_plan.keep) or 'none'}"
-            + ("" if dry_run else f"; {remote_plan.blobs_removed} blob(s) removed")
-        )
+        _say_remote(remote_plan, verb, dry_run)
 
 
 def _prune_remote(store: object, url: str, keep: int, dry_run: bool) -> Any:

@@ -54,7 +54,8 @@ def round_parts(rep: Replicator) -> int:
             continue
         if rep.rank < len(parts) and mine not in markers:
             try:
-                _upload_part(rep, rec, parts[rep.rank])
+                with rep.uploading():
+                    _upload_part(rep, rec, parts[rep.rank])
             except (LocalBlobGone, _LocalCorrupt) as err:
                 if any(r.id == rec.id and r.live for r in rep.store.journal.read().records):
                     rep.progress.skip.add(rec.id)

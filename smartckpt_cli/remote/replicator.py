@@ -26,10 +26,11 @@ reports to in :mod:`.status`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -51,6 +52,7 @@ from smartckpt_cli.remote.status import _Status, write_status
 from smartckpt_cli.store import codec
 from smartckpt_cli.store.directory import StoreDir
 from smartckpt_cli.store.journal import CheckpointRecord, JournalState, decode_manifest
+from smartckpt_cli.store.leases import Lease, holding
 from smartckpt_cli.store.retention import select_prunable
 from smartckpt_cli.store.storage import Storage
 
@@ -82,6 +84,7 @@ class Replicator:
         # Several ranks (parts.py): this rank uploads its own part and marks it; rank 0 also
         # writes the commit object once every rank's part is marked, and runs retention.
         self.rank, self.world = rank, world
+        self._lease: Lease | None = None  # held while uploading (uploader thread)
         self.progress = RoundProgress()  # what one round leaves the next (plan.py)
         self.journal = replica_journal(remote)
         self.store = store
@@ -193,6 +196,18 @@ class Replicator:
                 else:  # waiting for another rank's part: list again a second later
                     delay = 1.0 if self.progress.waiting else 0.1
 
+    @contextlib.contextmanager
+    def uploading(self) -> Iterator[None]:
+        """A lease on the replica while blobs, manifests and commits go up (store/leases.py): a
+        ``prune URL`` refuses while it is held; while a prune holds the replica, this raises
+        LeaseHeld and the round is tried again later."""
+        with holding(self.remote, "upload", {"prune"}) as lease:
+            self._lease = lease
+            try:
+                yield
+            finally:
+                self._lease = None
+
     def retry(self, what: str, fn: Callable[[], T]) -> T:
         tries = max(1, self.s.remote_retries)
         for attempt in range(tries):
@@ -234,7 +249,10 @@ class Replicator:
         local = self.store.journal.read()
         plan = plan_round(local, rstate, self.progress.skip)
         self.set_pending(plan.upload, rstate)
-        seq = self._upload_missing(plan.upload, rstate.next_seq)
+        seq = rstate.next_seq
+        if plan.upload:
+            with self.uploading():
+                seq = self._upload_missing(plan.upload, seq)
         if plan.withdraw:
             ids = [r.id for r in plan.withdraw]
             event = {
@@ -347,6 +365,8 @@ class Replicator:
         self.status.last_upload_seconds = round(time.monotonic() - t0, 3)
 
     def _upload_blob(self, bid: str) -> int:
+        if self._lease is not None:  # a long upload renews its lease: never taken as dead
+            self._lease = self._lease.renewed(self.remote)
         rel = self.store.blobs.rel(bid)
         try:
             data = self.store.storage.read(rel)

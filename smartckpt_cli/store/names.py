@@ -61,6 +61,7 @@ __all__ = [
     "is_manifest_file",
     "is_temporary",
     "journal_object",
+    "lease_object",
     "manifest_rel",
     "marker",
     "parse_manifest_file",
@@ -82,6 +83,7 @@ _STORE_ID = re.compile(r"[0-9a-f]{8,64}")
 _MANIFEST = re.compile(r"manifests/([0-9]{12})-([0-9a-f]{12})\.json")
 _PART = re.compile(r"manifests/([0-9]{12})-([0-9a-f]{12})-r(0|[1-9][0-9]{0,6})\.json")
 _MARKER = re.compile(r"([0-9]{12})-([0-9a-f]{12})-r(0|[1-9][0-9]{0,6})\.json")
+_LEASE = re.compile(r"(upload|prune)-([0-9a-f]{12})\.json")
 _JOURNAL_OBJECT = re.compile(r"([0-9]{12})-([a-z][a-z_]{0,31})-([0-9a-f]{12})\.json")
 _MANIFEST_FILE = re.compile(r"[0-9]{12}-[0-9a-f]{12}(-r(0|[1-9][0-9]{0,6}))?\.json")
 _TEMPORARY = re.compile(r"[0-9a-z_.-]{1,200}\.tmp\.[0-9]{1,10}\.[0-9]{1,12}")
@@ -268,6 +270,15 @@ class JournalObject:
     seq: int
     event: str
     tag: str
+
+
+def lease_object(name: Any) -> tuple[str, str] | None:
+    """(kind, tag) of a lease object's name, ``locks/<upload|prune>-<12 hex>.json``
+    (:mod:`.leases`); None for anything else under ``locks/`` (never read)."""
+    if not isinstance(name, str):
+        return None
+    m = _LEASE.fullmatch(name)
+    return None if m is None else (m.group(1), m.group(2))
 
 
 def journal_object(name: Any) -> JournalObject | None:
