@@ -70,6 +70,10 @@ class StoreDamagedError(JournalError):
     --repair`` rebuilds the journal, or the store is moved away."""
 
 
+class StoreUnreachableError(SmartckptError):
+    """A store named by a URL cannot be reached or read (the object store is down, refuses)."""
+
+
 class StoreLockedError(SmartckptError):
     """Another process already writes to this checkpoint store."""
 

@@ -111,3 +111,32 @@ def test_leases_keep_a_prune_and_an_upload_apart_and_a_dead_writers_expires() ->
     assert (
         fresh.utc == upload.utc + STALE_AFTER / 2 and json.loads(storage.read(upload.rel))["utc"] == fresh.utc
     )
+
+
+def test_a_url_that_cannot_be_read_is_one_line_with_its_exit_code(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("s3fs")
+    from tests._s3 import free_port
+
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens: the remote is down
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    for cmd, code, words in [
+        (["verify", "s3://b/run"], 1, "s3://b/run cannot be read: "),
+        (["inspect", "s3://b/run"], 1, "s3://b/run cannot be read: "),
+        (["prune", "s3://b/run", "--keep", "1"], 1, "remote s3://b/run unreachable: "),
+        (["verify", "nosuch://b/run"], 2, "no fsspec backend for 'nosuch://'"),
+    ]:
+        out = subprocess.run(
+            [sys.executable, "-m", "smartckpt_cli.cli.app", *cmd],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == code, (cmd, out.stdout, out.stderr)
+        assert out.stderr.count("\n") == 1 and words in out.stderr, (cmd, out.stderr)

@@ -176,8 +176,8 @@ class _Checker:
             return memoryview(self.store.storage.read(BlobStore.rel(bid))), None
         except FileNotFoundError:
             return None, f"missing blob {bid}"
-        except OSError as err:
-            return None, f"unreadable blob {bid}: {err.strerror or err}"
+        except Exception as err:  # an object store's own errors too (the remote went away)
+            return None, f"unreadable blob {bid}: {type(err).__name__}: {str(err)[:200]}"
 
     def check(self, task: _Task) -> tuple[int, str | None]:
         """(encoded bytes read, the problem or None)."""

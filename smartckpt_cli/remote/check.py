@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from smartckpt_cli.errors import SmartckptError
 from smartckpt_cli.remote.parts import PARTS_DIR, marker_name, missing_markers, part_cid, status_name
@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STATUS_FILE = "remote-status.json"  # in meta_dir, written by the uploader, read by inspect and run
 # In meta_dir: held by the uploader for each round and by `prune --remote`, so blobs are never
@@ -275,33 +277,36 @@ class RemoteUnavailable(SmartckptError):
     """The remote cannot be reached or read (exit 1: the operation failed)."""
 
 
-def reach(url: str) -> StoreDir:
-    """The replica at ``url`` as a store (``verify``/``inspect`` read it with the local code);
-    one-line errors, RemoteUnavailable when it cannot be read. A replica with no journal yet
-    reads as empty."""
+def _reading(url: str, fn: Callable[[], T]) -> T:
+    """``fn()``, with whatever the remote raises said in one line (RemoteUnavailable)."""
     try:
-        return open_repository(url, must_exist=False)
+        return fn()
     except SmartckptError:
         raise
     except Exception as err:
         raise RemoteUnavailable(
             f"remote {display_url(url)} unreachable: {type(err).__name__}: {str(err)[:200]}"
         ) from None
+
+
+def reach(url: str) -> StoreDir:
+    """The replica at ``url`` as a store (``verify``/``inspect`` read it with the local code),
+    its journal read once here so that an unreachable remote is one line; a replica with no
+    journal yet reads as empty."""
+
+    def opened() -> StoreDir:
+        store = open_repository(url, must_exist=False)
+        store.journal.read()
+        return store
+
+    return _reading(url, opened)
 
 
 def connect(url: str) -> tuple[Storage, Journal, JournalState]:
     """Open ``url`` and read its journal, for the CLI; one-line errors."""
     remote = open_remote(url)
     journal = replica_journal(remote)
-    try:
-        state = journal.read()
-    except SmartckptError:
-        raise
-    except Exception as err:
-        raise RemoteUnavailable(
-            f"remote {display_url(url)} unreachable: {type(err).__name__}: {str(err)[:200]}"
-        ) from None
-    return remote, journal, state
+    return remote, journal, _reading(url, journal.read)
 
 
 def remote_summary(local: Iterable[CheckpointRecord], local_store_id: str | None, url: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from smartckpt_cli.errors import (
     StoreDamagedError,
     StoreLockedError,
     StoreNotFoundError,
+    StoreUnreachableError,
     UnsafePathError,
     UsageError,
 )
@@ -204,7 +205,13 @@ def open_repository(url: str, *, must_exist: bool = True) -> StoreDir:
     holds. NotAStoreError (one line) when there is no journal there."""
     storage = open_storage(url, what="store")
     journal = Journal(storage)
-    if must_exist and not journal.exists():
+    try:
+        found = journal.exists()  # the layout is read here: the one remote call of the opening
+    except Exception as err:  # botocore, aiohttp, OSError: whatever the backend raises
+        raise StoreUnreachableError(
+            f"{storage.url} cannot be read: {type(err).__name__}: {str(err)[:200]}"
+        ) from None
+    if must_exist and not found:
         raise NotAStoreError(f"{storage.url} is not a smartckpt checkpoint store (no journal there)")
     root = Path(url[len("file://") :]) if url.startswith("file://") else Path(".")
     return StoreDir(root, root, storage, storage, BlobStore(storage), journal, url=storage.url)
